@@ -1,0 +1,32 @@
+"""megatron_pg_agg: exact policy-gradient loss aggregation for Megatron-core RL training.
+
+The top-level ``patches/`` folder (runtime patches of megatron-core, one module each) is shipped
+as the subpackage ``megatron_pg_agg.patches``.
+"""
+from setuptools import setup
+
+# torch is pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU machine. Users on
+# GPU nodes install their own torch first; the pin is for the CPU default and CI.
+TORCH = "torch==2.13.0"
+# Tested range: the loss contract (3-tuple, calculate_per_token_loss, finalize_model_grads
+# num_tokens) is read from 0.16.x; patches re-check the version before touching anything.
+MEGATRON_CORE = "megatron-core>=0.16.0,<0.17"
+
+setup(
+    name="megatron_pg_agg",
+    version="0.1.0",
+    description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
+    packages=["megatron_pg_agg", "megatron_pg_agg.patches"],
+    package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches"},
+    python_requires=">=3.10",
+    install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package
+        # named "apex" is an unrelated web toolkit.
+        "te": ["transformer-engine[pytorch]"],
+    },
+    entry_points={
+        "console_scripts": ["megatron-pg-agg-parity=megatron_pg_agg.parity:main"],
+    },
+)
