@@ -1,0 +1,123 @@
+"""The per-microbatch path makes no host sync and has no data-dependent shape.
+
+Three independent proofs: an op trace (TorchDispatchMode) of forward and backward, a run on the
+"meta" device (which has no data, so any read of tensor values raises), and
+torch.compile(fullgraph=True), which refuses graph breaks.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_pg_agg import aggregate, token_weights, weighted_sum
+
+MODES = {
+    "token_mean": {},
+    "seq_mean": {},
+    "prompt_mean": {"group_sizes": torch.tensor([2, 1, 3])},
+    "constant": {"divisor": 16.0},
+}
+FORBIDDEN = {"_local_scalar_dense", "nonzero", "masked_select", "item", "nonzero_static"}
+
+
+class OpTrace(TorchDispatchMode):
+    """Records every aten op; flags syncs and data-dependent shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.violations = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        self.ops.append(name)
+        if name in FORBIDDEN:
+            self.violations.append(name)
+        if name == "repeat_interleave" and kwargs.get("output_size") is None and (
+            len(args) < 3 or args[-1] is None
+        ):
+            self.violations.append("repeat_interleave without output_size")
+        if name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+                self.violations.append(f"{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+def _batch(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 0, 7, 3, 9, 4]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lengths)
+    den = torch.rand(total, generator=g) > 0.2
+    num = den & (torch.rand(total, generator=g) > 0.2)
+    loss = torch.randn(total, generator=g)
+    return [t.to(device) for t in (loss, num, den, cu)]
+
+
+def test_self_check_the_trace_catches_syncs():
+    trace = OpTrace()
+    x = torch.arange(5.0)
+    with trace:
+        x.sum().item()
+        x[x > 2].sum()
+        torch.repeat_interleave(torch.tensor([1, 2]))
+    assert "_local_scalar_dense" in trace.violations
+    assert any("boolean" in v for v in trace.violations)
+    assert "repeat_interleave without output_size" in trace.violations
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_weighted_sum_and_aggregate_trace_is_sync_free(mode):
+    loss, num, den, cu = _batch()
+    kw = MODES[mode]
+    weights = token_weights(num, mode=mode, cu_seqlens=cu, denominator_mask=den, **kw)  # host planner
+    part = torch.arange(3, 20)
+    leaf = loss.clone().requires_grad_(True)
+    trace = OpTrace()
+    with trace:
+        s, c = weighted_sum(leaf[part], num[part], weights[part], validate=False)
+        s.backward()
+        leaf.grad = None
+        mean, w = aggregate(leaf, num, mode=mode, cu_seqlens=cu, denominator_mask=den, validate=False, **kw)
+        (mean * w).backward()
+    assert trace.ops, "trace recorded nothing"
+    assert trace.violations == [], trace.violations
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_runs_on_meta_device_where_values_cannot_be_read(mode):
+    # default validate=None: value checks are skipped off the host, so nothing reads data
+    loss, num, den, cu = _batch("meta")
+    kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in MODES[mode].items()}
+    leaf = loss.clone().requires_grad_(True)
+    mean, w = aggregate(leaf, num, mode=mode, cu_seqlens=cu, denominator_mask=den, **kw)
+    mean.backward()
+    weights = token_weights(num, mode=mode, cu_seqlens=cu, denominator_mask=den, **kw)
+    s, c = weighted_sum(leaf, num, weights)
+    assert s.device.type == "meta" and c.dtype == torch.int32 and leaf.grad.shape == leaf.shape
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_weighted_sum_compiles_fullgraph_with_backward(mode):
+    torch._dynamo.reset()
+    loss, num, den, cu = _batch()
+    weights = token_weights(num, mode=mode, cu_seqlens=cu, denominator_mask=den, **MODES[mode])
+    compiled = torch.compile(weighted_sum, fullgraph=True, backend="aot_eager")
+    leaf = loss.clone().requires_grad_(True)
+    s, c = compiled(leaf, num, weights, validate=False)
+    s.backward()
+    ref_leaf = loss.clone().requires_grad_(True)
+    rs, rc = weighted_sum(ref_leaf, num, weights)
+    rs.backward()
+    assert torch.equal(c, rc) and torch.allclose(s, rs)
+    assert torch.allclose(leaf.grad, ref_leaf.grad)
+
+
+def test_weighted_sum_compiles_with_inductor():
+    torch._dynamo.reset()
+    loss, num, den, cu = _batch()
+    weights = token_weights(num, mode="seq_mean", cu_seqlens=cu, denominator_mask=den)
+    compiled = torch.compile(weighted_sum, fullgraph=True)
+    s, c = compiled(loss, num, weights, validate=False)
+    rs, rc = weighted_sum(loss, num, weights)
+    assert torch.equal(c, rc) and torch.allclose(s, rs)
