@@ -167,6 +167,11 @@ def build_layout(
             f"index {first}): filtered tokens may leave the numerator, never join it"
         )
     shape = n.shape
+    if n.numel() >= 2**31:
+        raise ValueError(
+            f"one call holds {n.numel()} tokens; counts are int32, so split the step into parts "
+            "of fewer than 2**31 tokens (the token form combines parts exactly)"
+        )
     if n.dim() == 2:
         if cu_seqlens is not None:
             raise ValueError(

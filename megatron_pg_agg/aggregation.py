@@ -90,27 +90,39 @@ class TokenWeights:
         )
 
 
-def _unit_coef_and_first(layout: Layout, unit_cu: torch.Tensor):
-    """For units bounded by ``unit_cu`` (token offsets): per token 1/D_u (0 if inactive) and a flag
-    on the first denominator-valid token of each unit.
+def _prefix_counts(d: torch.Tensor) -> torch.Tensor:
+    """int32 ``[T+1]`` exclusive prefix sums of the denominator mask (exact; int32 because an
+    int64 cumsum is several times slower on CPU, and the layout check bounds T below 2**31)."""
+    prefix = torch.zeros(d.numel() + 1, dtype=torch.int32, device=d.device)
+    torch.cumsum(d, 0, dtype=torch.int32, out=prefix[1:])
+    return prefix
 
-    Integer prefix sums keep D_u exact; ``repeat_interleave`` gets ``output_size`` so the shape is
-    known without reading device data.
-    """
-    d = layout.denominator
-    num_tokens = d.numel()
-    prefix = torch.zeros(num_tokens + 1, dtype=torch.long, device=d.device)
-    torch.cumsum(d, 0, dtype=torch.long, out=prefix[1:])
-    start_count = prefix[unit_cu[:-1]]
-    unit_denominator = prefix[unit_cu[1:]] - start_count
-    inv = torch.where(
-        unit_denominator > 0,
-        1.0 / unit_denominator.clamp(min=1).to(torch.float32),
-        torch.zeros((), dtype=torch.float32, device=d.device),
+
+def _group_bounds(layout: Layout) -> torch.Tensor:
+    """int64 ``[G+1]``: sequence index where each prompt group starts (and the end)."""
+    bounds = torch.zeros(layout.group_sizes.numel() + 1, dtype=torch.long, device=layout.group_sizes.device)
+    torch.cumsum(layout.group_sizes, 0, out=bounds[1:])
+    return bounds
+
+
+def _inverse(denominators: torch.Tensor) -> torch.Tensor:
+    """float32 1/D_u for active units, 0 for inactive ones (D_u = 0)."""
+    return torch.where(
+        denominators > 0,
+        1.0 / denominators.clamp(min=1).to(torch.float32),
+        torch.zeros((), dtype=torch.float32, device=denominators.device),
     )
-    num_units = unit_cu.numel() - 1
+
+
+def _unit_coef_and_first(d: torch.Tensor, prefix: torch.Tensor, unit_cu: torch.Tensor):
+    """For units bounded by token offsets ``unit_cu``: per token 1/D_u (0 if inactive) and a flag
+    on the first denominator-valid token of each unit. ``repeat_interleave`` gets
+    ``output_size`` so the shape is known without reading device data."""
+    start_count = prefix[unit_cu[:-1]]
+    inv = _inverse(prefix[unit_cu[1:]] - start_count)
     unit_of_token = torch.repeat_interleave(
-        torch.arange(num_units, device=d.device), unit_cu[1:] - unit_cu[:-1], output_size=num_tokens
+        torch.arange(unit_cu.numel() - 1, device=d.device), unit_cu[1:] - unit_cu[:-1],
+        output_size=d.numel(),
     )
     first = d & (prefix[:-1] == start_count[unit_of_token])
     return inv[unit_of_token], first
@@ -121,18 +133,14 @@ def _weights_from_layout(layout: Layout, mode: str, divisor: Optional[float]) ->
     zero = torch.zeros((), dtype=torch.float32, device=n.device)
     if mode == TOKEN_MEAN:
         coef, count = n.to(torch.float32), d.to(torch.int32)
-    elif mode == PROMPT_MEAN:
-        group_end = torch.zeros(layout.group_sizes.numel() + 1, dtype=torch.long, device=n.device)
-        torch.cumsum(layout.group_sizes, 0, out=group_end[1:])
-        inv, first = _unit_coef_and_first(layout, layout.cu_seqlens[group_end])
-        coef, count = torch.where(n, inv, zero), first.to(torch.int32)
     else:
-        inv, first = _unit_coef_and_first(layout, layout.cu_seqlens)
-        if mode == SEQ_MEAN:
-            coef = torch.where(n, inv, zero)
-        else:  # CONSTANT: 1/L on every numerator token, counted once per active sequence
-            coef = torch.where(n, torch.full((), 1.0 / divisor, dtype=torch.float32, device=n.device), zero)
-        count = first.to(torch.int32)
+        unit_cu = layout.cu_seqlens
+        if mode == PROMPT_MEAN:
+            unit_cu = unit_cu[_group_bounds(layout)]
+        inv, first = _unit_coef_and_first(d, _prefix_counts(d), unit_cu)
+        if mode == CONSTANT:  # 1/L on every numerator token, counted once per active sequence
+            inv = torch.full((), 1.0 / divisor, dtype=torch.float32, device=n.device)
+        coef, count = torch.where(n, inv, zero), first.to(torch.int32)
     return TokenWeights(coef.reshape(layout.shape), count.reshape(layout.shape), mode)
 
 
@@ -227,6 +235,26 @@ def aggregate(
         weight = layout.denominator.sum(dtype=torch.int32)
         loss_sum = torch.where(layout.numerator.reshape(loss.shape), loss, 0.0).sum()
         return loss_sum / weight.clamp(min=1), weight
-    weights = _weights_from_layout(layout, mode, divisor).reshape(-1)
-    loss_sum, weight = _masked_weighted_sum(loss.reshape(-1), layout.numerator, weights)
+    return _local_unit_mean(loss.reshape(-1), layout, mode, divisor)
+
+
+def _local_unit_mean(loss: torch.Tensor, layout: Layout, mode: str, divisor: Optional[float]):
+    """seq_mean / prompt_mean / constant on whole units: per-unit numerator sums by
+    ``segment_reduce`` over the boundaries (one pass, backward is a broadcast; ``unsafe=True``
+    skips its lengths-sum check, which would be a device->host sync: the layout was checked on
+    the host), exact integer denominators from a prefix count."""
+    cu = layout.cu_seqlens
+    masked = torch.where(layout.numerator, loss.to(torch.float32), 0.0)
+    prefix = _prefix_counts(layout.denominator)
+    if mode == CONSTANT:  # no per-unit numerator needed: inactive sequences have N_s = 0
+        weight = (prefix[cu[1:]] > prefix[cu[:-1]]).sum(dtype=torch.int32)
+        return masked.sum() * (1.0 / divisor) / weight.clamp(min=1), weight
+    numerators = torch.segment_reduce(masked, "sum", offsets=cu, unsafe=True, initial=0.0)
+    if mode == PROMPT_MEAN:
+        bounds = _group_bounds(layout)
+        numerators = torch.segment_reduce(numerators, "sum", offsets=bounds, unsafe=True, initial=0.0)
+        cu = cu[bounds]
+    denominators = prefix[cu[1:]] - prefix[cu[:-1]]
+    weight = (denominators > 0).sum(dtype=torch.int32)
+    loss_sum = (numerators * _inverse(denominators)).sum()
     return loss_sum / weight.clamp(min=1), weight
