@@ -1,0 +1,230 @@
+"""Per-token policy-gradient losses on vocab-parallel logits, and their step-level combination.
+
+Everything here is per token and elementwise (plus reductions over the local vocabulary shard and
+differentiable all-reduces over the tensor-parallel group): no host sync, no gather of the full
+vocabulary. Every TP rank computes the same per-token values, so the loss and count it returns are
+identical across TP, which is what Megatron-core's loss contract requires.
+
+The step objective, with the aggregation of :mod:`megatron_pg_agg.aggregation` (c_t, k_t):
+
+    J = sum_t c_t where(n_t, pg_t, 0) / W_pg
+        + kl_coef * sum_t where(d_t, kl_t, 0) / D  -  entropy_coef * sum_t where(d_t, H_t, 0) / D
+
+with ``W_pg = sum_t k_t`` and ``D = sum_t d_t`` (the extra terms are token means over the
+original loss mask). Megatron divides the summed loss by ONE count (W_pg), so each microbatch
+returns ``sum_t c_t pg_t + (W_pg / D) * sum_t (kl_coef kl_t - entropy_coef H_t)`` with count
+``sum_t k_t``: both global totals are known on the host before the step (see ``StepTotals``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .aggregation import TokenWeights, weighted_sum
+from .modes import TOKEN_MEAN, resolve_mode
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(frozen=True)
+class PGLossConfig:
+    """What the actor optimises. Validated on construction (host side, before any step)."""
+
+    mode: str = TOKEN_MEAN
+    """Aggregation mode (canonical name or a peer alias): token_mean, seq_mean, prompt_mean, constant."""
+    divisor: Optional[float] = None
+    """L of the constant mode (e.g. the maximum response length); refused by other modes."""
+    clip_eps_low: float = 0.2
+    """PPO lower clip: ratio is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: Optional[float] = None
+    """PPO upper clip (DAPO's clip-higher): ratio clipped above at 1 + clip_eps_high; None = clip_eps_low."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1: for negative advantages the loss is capped at -A * c; None = off."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty against the reference policy (needs reference log-probs)."""
+    kl_estimator: str = "k3"
+    """KL estimator per token: k1 = log(pi/ref), k2 = 0.5 log(pi/ref)^2, k3 = ref/pi - log(ref/pi) - 1."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    canonical_mode: str = field(init=False, default=TOKEN_MEAN)
+    """The resolved canonical mode (set from ``mode``)."""
+
+    def __post_init__(self):
+        mode, divisor = resolve_mode(self.mode, self.divisor)
+        object.__setattr__(self, "canonical_mode", mode)
+        object.__setattr__(self, "divisor", divisor)
+        if self.clip_eps_high is None:
+            object.__setattr__(self, "clip_eps_high", self.clip_eps_low)
+        if not 0 < self.clip_eps_low < 1:
+            raise ValueError(f"clip_eps_low must be in (0, 1); got {self.clip_eps_low}")
+        if not self.clip_eps_high > 0:
+            raise ValueError(f"clip_eps_high must be positive; got {self.clip_eps_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1 (it caps -A * ratio for A < 0); got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}; got {self.kl_estimator!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(
+                f"kl_coef and entropy_coef must be >= 0; got {self.kl_coef}, {self.entropy_coef}"
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef > 0
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the TP group; backward is the identity because every TP rank holds the same
+    downstream loss, so d(loss)/d(local part) = d(loss)/d(sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _tp_sum(tensor: torch.Tensor, group, world: int) -> torch.Tensor:
+    return tensor if world == 1 else _AllReduceSum.apply(tensor, group)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group=None,
+    with_entropy: bool = False,
+):
+    """Log-probability of ``target`` (and optionally the entropy) from vocab-sharded logits.
+
+    ``logits`` ``[..., V / tp]`` holds this TP rank's contiguous vocabulary shard (Megatron's
+    layout: rank r owns ids ``[r * V/tp, (r+1) * V/tp)``); ``target`` ``[...]`` holds global ids.
+    Computed in float32 with a detached max for stability; three small all-reduces over
+    ``tp_group`` (max, sum of exps, picked logit; one more for the entropy). The input is not
+    modified (megatron-core's vocab_parallel_cross_entropy works in place on fp32 logits).
+    """
+    world = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+    logits = logits.float()
+    shard = logits.shape[-1]
+    with torch.no_grad():
+        row_max = logits.max(dim=-1).values
+        if world > 1:
+            torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    shifted = logits - row_max.unsqueeze(-1)
+    log_z = torch.log(_tp_sum(shifted.exp().sum(dim=-1), tp_group, world))
+    local = target - rank * shard
+    in_shard = (local >= 0) & (local < shard)
+    picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
+    picked = _tp_sum(torch.where(in_shard, picked, 0.0), tp_group, world)
+    logprobs = picked - log_z
+    if not with_entropy:
+        return logprobs, None
+    probs = torch.exp(shifted - log_z.unsqueeze(-1))
+    entropy = log_z - _tp_sum((probs * shifted).sum(dim=-1), tp_group, world)
+    return logprobs, entropy
+
+
+def ppo_token_losses(logprobs, old_logprobs, advantages, cfg: PGLossConfig):
+    """Per-token clipped surrogate ``pg_t`` and the ratio / clipped indicator for statistics.
+
+    pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with dual clip, for A < 0 it is
+    further capped at -A * c. Inputs at masked positions must be finite (the planner zeroes them):
+    a NaN there would not reach the loss but would poison the gradient of exp().
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if cfg.dual_clip is not None:
+        cap = -advantages * cfg.dual_clip
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        was_clipped = was_clipped | dual
+    return loss, ratio, was_clipped
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator: str):
+    """Per-token KL(pi || ref) estimate from sampled tokens (Schulman's k1/k2/k3)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    return torch.exp(-log_ratio) + log_ratio - 1.0
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Global integers of one optimizer step, known on the host before it (the planner sees the
+    whole step on every rank, so no collective is needed to know them)."""
+
+    pg_weight: int
+    """W_pg = sum of k_t over the step: valid tokens, active sequences or active groups."""
+    valid_tokens: int
+    """D = sum of d_t over the step: the normaliser of the KL and entropy token means."""
+
+    @property
+    def extra_scale(self) -> float:
+        """W_pg / D: turns the extra terms' token mean into Megatron's single-count contract."""
+        return self.pg_weight / self.valid_tokens if self.valid_tokens else 0.0
+
+
+def pg_loss_sum(
+    logprobs: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    numerator_mask: torch.Tensor,
+    denominator_mask: torch.Tensor,
+    weights: TokenWeights,
+    totals: StepTotals,
+    cfg: PGLossConfig,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+):
+    """One part's ``(loss_sum, count, report)`` in Megatron-core's per-token-loss contract.
+
+    ``report`` maps names to detached float32 ``[sum, count]`` pairs that Megatron-LM's logger
+    sums over microbatches and DP x CP ranks and divides: ``objective`` (the full J),
+    ``pg_loss`` (J_pg), ``clip_fraction`` and ``ratio`` (over numerator tokens), ``kl`` and
+    ``entropy`` (over denominator tokens) when computed.
+    """
+    pg, ratio, was_clipped = ppo_token_losses(logprobs, old_logprobs, advantages, cfg)
+    pg_sum, count = weighted_sum(pg, numerator_mask, weights, validate=False)
+    loss_sum = pg_sum
+    n_float = numerator_mask.to(torch.float32)
+    d_float = denominator_mask.to(torch.float32)
+    num_tokens, den_tokens = n_float.sum(), d_float.sum()
+    count_f = count.to(torch.float32)
+    report = {
+        "pg_loss": torch.stack([pg_sum.detach(), count_f]),
+        "clip_fraction": torch.stack([(was_clipped.float() * n_float).sum(), num_tokens]),
+        "ratio": torch.stack([torch.where(numerator_mask, ratio.detach(), 0.0).sum(), num_tokens]),
+    }
+    scale = totals.extra_scale
+    if cfg.needs_reference:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs in every microbatch")
+        kl = torch.where(denominator_mask, kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), 0.0).sum()
+        loss_sum = loss_sum + (cfg.kl_coef * scale) * kl
+        report["kl"] = torch.stack([kl.detach(), den_tokens])
+    if cfg.needs_entropy:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy")
+        ent = torch.where(denominator_mask, entropy, 0.0).sum()
+        loss_sum = loss_sum - (cfg.entropy_coef * scale) * ent
+        report["entropy"] = torch.stack([ent.detach(), den_tokens])
+    report["objective"] = torch.stack([loss_sum.detach().clone(), count_f])
+    return loss_sum, count, report

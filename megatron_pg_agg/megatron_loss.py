@@ -1,0 +1,115 @@
+"""The loss-function provider for Megatron-core's forward-backward schedules.
+
+Contract (megatron-core 0.16, ``pipeline_parallel/schedules.py`` and
+``distributed/finalize_model_grads.py``): with ``config.calculate_per_token_loss=True`` a loss_func
+returning ``(loss, num_tokens, report)`` has its ``loss`` back-propagated unchanged and its integer
+``num_tokens`` summed over microbatches; ``finalize_model_grads`` broadcasts that sum from the last
+pipeline stage, all-reduces it over DP x CP and divides every gradient by it. Returning
+``(sum_t c_t pg_t + ..., sum_t k_t, report)`` per microbatch (see :mod:`megatron_pg_agg.losses`)
+therefore gives exactly ``J`` for every layout and microbatch split. Nothing is reduced over TP:
+every TP rank computes the same loss and count.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator, Optional
+
+import torch
+
+from .losses import PGLossConfig, StepTotals, pg_loss_sum, vocab_parallel_logprobs
+from .planner import Microbatch
+
+
+class MegatronConfigError(ValueError):
+    """A Megatron configuration under which the objective would silently be wrong."""
+
+
+def check_megatron_config(config, ddp_config=None, *, backend: Optional[str] = None) -> None:
+    """Refuse configurations that break the exact objective, before any step runs.
+
+    ``config`` is the model's TransformerConfig (the one the schedule reads), ``ddp_config`` the
+    DistributedDataParallelConfig, ``backend`` the torch.distributed backend (read from the
+    default group when None and one is initialised).
+    """
+    problems = []
+    if not getattr(config, "calculate_per_token_loss", False):
+        problems.append(
+            "config.calculate_per_token_loss is False: the schedule would divide each microbatch's "
+            "loss by its own count and by num_microbatches (a mean of means). Set it to True."
+        )
+    if getattr(config, "finalize_model_grads_func", None) is None:
+        problems.append(
+            "config.finalize_model_grads_func is unset: nothing would all-reduce the counts and "
+            "divide the gradients. Set it to megatron.core.distributed.finalize_model_grads."
+        )
+    if ddp_config is not None and getattr(ddp_config, "average_in_collective", False):
+        problems.append(
+            "ddp_config.average_in_collective is True: gradients would be averaged over DP before "
+            "the division by the global count. Set it to False."
+        )
+    if backend is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        backend = torch.distributed.get_backend()
+    interleaved = getattr(config, "virtual_pipeline_model_parallel_size", None) not in (None, 1)
+    if interleaved and backend == "gloo" and getattr(config, "batch_p2p_comm", True):
+        problems.append(
+            "interleaved pipeline with batch_p2p_comm=True on gloo matches p2p messages out of "
+            "order and gives wrong gradients. Set config.batch_p2p_comm=False (and "
+            "batch_p2p_sync=False)."
+        )
+    if problems:
+        raise MegatronConfigError("megatron_pg_agg cannot guarantee the objective:\n- " + "\n- ".join(problems))
+
+
+def packed_seq_params(mb: Microbatch):
+    """THD PackedSeqParams of a microbatch (real and padded boundaries, as TE expects)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=mb.cu_seqlens,
+        cu_seqlens_kv=mb.cu_seqlens,
+        cu_seqlens_q_padded=mb.cu_seqlens_padded,
+        cu_seqlens_kv_padded=mb.cu_seqlens_padded,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
+
+
+def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_group, output_tensor):
+    """Megatron loss_func: vocab-parallel logits ``[1, T, V/tp]`` -> ``(loss, count, report)``."""
+    logits = output_tensor[0]
+    logprobs, entropy = vocab_parallel_logprobs(
+        logits, mb.labels[0], tp_group=tp_group, with_entropy=loss_cfg.needs_entropy
+    )
+    loss, count, report = pg_loss_sum(
+        logprobs,
+        old_logprobs=mb.old_logprobs,
+        advantages=mb.advantages,
+        numerator_mask=mb.numerator_mask,
+        denominator_mask=mb.denominator_mask,
+        weights=mb.weights,
+        totals=totals,
+        cfg=loss_cfg,
+        ref_logprobs=mb.ref_logprobs,
+        entropy=entropy,
+    )
+    return loss, count, report
+
+
+def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=None, device=None):
+    """A ``forward_step_func`` for ``get_forward_backward_func()`` running GPTModel on packed THD
+    microbatches from the data iterator (one iterator of :class:`Microbatch` per model chunk)."""
+
+    def forward_step(data_iterator: Iterator[Microbatch], model):
+        mb = next(data_iterator)
+        if device is not None:
+            mb = mb.to(device)
+        output = model(
+            input_ids=mb.tokens,
+            position_ids=mb.position_ids,
+            attention_mask=None,
+            packed_seq_params=packed_seq_params(mb),
+        )
+        return output, partial(pg_loss_func, mb, loss_cfg, totals, tp_group)
+
+    return forward_step
