@@ -118,6 +118,10 @@ class PlanConfig:
     """Context-parallel size: every sequence is padded to a multiple of 2 * cp_size."""
     vocab_size: Optional[int] = None
     """If set, token ids are checked against it."""
+    uniform_microbatch_tokens: bool = False
+    """Pad every microbatch of the step to the same token count (the last sequence's padding
+    grows). Pipeline schedules without ``variable_seq_lengths`` need it: p2p buffers have one
+    shape (the interleaved schedule's shape exchange deadlocks on gloo)."""
 
     @property
     def pad_multiple(self) -> int:
@@ -245,6 +249,11 @@ def plan_step(
     weights = token_weights(num, mode=mode, divisor=divisor, cu_seqlens=cu_padded,
                             group_sizes=group_sizes, denominator_mask=den)
     totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den.sum()))
+    # one all-zero row at index ``total``: the target of uniform-length padding
+    tokens, labels, position_ids, num, den, adv, old = (
+        torch.cat([t, t.new_zeros(1)]) for t in (tokens, labels, position_ids, num, den, adv, old))
+    ref = None if ref is None else torch.cat([ref, ref.new_zeros(1)])
+    weights = TokenWeights.cat([weights, TokenWeights(weights.coef.new_zeros(1), weights.count.new_zeros(1), weights.mode)])
 
     dp = plan_cfg.dp_size
     if assignment is not None:
@@ -266,12 +275,19 @@ def plan_step(
         )
 
     cp = plan_cfg.cp_size
+    uniform = max(sum(padded[s] for s in members) for members in bins)
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
     for b, members in enumerate(bins):
         rank, mb = b % dp, b // dp
         index = torch.cat([torch.arange(offsets[s], offsets[s + 1]) for s in members])
         seq_padded = [padded[s] for s in members]
+        if plan_cfg.uniform_microbatch_tokens and sum(seq_padded) < uniform:
+            # extend the last sequence's padding with positions that score nothing (index
+            # ``total`` points at an all-zero row appended to every per-token tensor below)
+            extra = uniform - sum(seq_padded)
+            seq_padded[-1] += extra
+            index = torch.cat([index, torch.full((extra,), total, dtype=torch.long)])
         cu_p = torch.tensor([0, *torch.tensor(seq_padded).cumsum(0).tolist()], dtype=torch.int32)
         real = [lengths[s] for s in members]
         cu_r = torch.tensor([0, *torch.tensor(real).cumsum(0).tolist()], dtype=torch.int32)

@@ -1,2 +1,57 @@
-"""patches."""
-X = 1
+"""Runtime patches of megatron-core, one small module per patch (shipped as megatron_pg_agg.patches).
+
+Every patch is a :class:`~megatron_pg_agg.patches._machinery.Patch`: it names the megatron-core
+releases it supports, checks the installed release and resolves every target *before* touching
+anything, wraps (never copies) the upstream functions, is idempotent and can be reverted exactly.
+
+Patches
+    ``cpu_gloo`` (:mod:`.cpu_gloo`), megatron-core >=0.16.0,<0.17: runs schedules, DDP,
+    tensor-parallel layers and GPTModel on CPU with gloo by redirecting megatron-core's CUDA
+    buffers, synchronisation, causal mask, RNG tracker and ``Tensor.cuda()`` (tied embeddings,
+    PP > 1) to the CPU. CPU-only: refuses to apply when CUDA is available. Targets and reasons are
+    listed in its module docstring.
+
+Usage::
+
+    from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patches
+    apply_megatron_patches()          # -> ["cpu_gloo"]
+    ...
+    revert_megatron_patches()         # -> ["cpu_gloo"]
+"""
+from __future__ import annotations
+
+from . import _machinery, cpu_gloo
+from ._machinery import Patch, Target, is_applied
+
+__all__ = [
+    "PATCHES",
+    "Patch",
+    "Target",
+    "apply_megatron_patches",
+    "applied_patches",
+    "is_applied",
+    "revert_megatron_patches",
+]
+
+PATCHES: dict[str, Patch] = {cpu_gloo.NAME: cpu_gloo.PATCH}
+"""Every known patch, by name, in application order."""
+
+
+def apply_megatron_patches(*, cpu_gloo: bool = True) -> list[str]:
+    """Apply the selected patches; return the names applied by this call (already applied: no-op).
+
+    Each patch checks the megatron-core version and its targets before touching anything, so a
+    failure raises ``RuntimeError`` with megatron-core unchanged by that patch.
+    """
+    wanted = {"cpu_gloo": cpu_gloo}
+    return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
+
+
+def revert_megatron_patches() -> list[str]:
+    """Revert every applied patch (newest first); return the names reverted."""
+    return [name for name in reversed(_machinery.applied()) if _machinery.revert(name)]
+
+
+def applied_patches() -> list[str]:
+    """Names of the patches currently applied, in application order."""
+    return _machinery.applied()

@@ -1,0 +1,214 @@
+"""A small, reusable mechanism for runtime patches of megatron-core.
+
+Why a mechanism and not ad-hoc ``setattr`` calls: a runtime patch of a third-party library is only
+safe when it (1) refuses to run against a release it was not written for, (2) refuses to run when
+a symbol it wraps has moved, and in both cases fails *before* touching anything, so a half-applied
+patch never exists, (3) is idempotent, and (4) can be undone exactly. The style follows
+Liger-Kernel's Megatron patch module (wrap, never copy, the upstream function), plus a public
+revert.
+
+A :class:`Patch` is a name, the megatron-core versions it supports (a ``packaging``
+``SpecifierSet``), a WHY docstring, an optional precondition and a list of :class:`Target` s.
+A target is ``module path + attribute name + make(original) -> replacement``. The attribute may
+be dotted (``"SomeClass.method"``) to reach a class attribute; it must then be defined on that
+class itself (not inherited), so that revert can restore it exactly.
+
+Applying sets, on every replacement, ``__wrapped__ = original`` (``functools.update_wrapper``
+for functions) and the marker attribute ``_megatron_pg_agg_patch = <patch name>``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+MARKER = "_megatron_pg_agg_patch"
+"""Attribute set on every replacement: the name of the patch that installed it."""
+
+DISTRIBUTION = "megatron-core"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute to replace: ``getattr(import_module(module), attr)`` (attr may be dotted)."""
+
+    module: str
+    attr: str
+    make: Callable[[Any], Any]
+    """``make(original) -> replacement``; called once per apply, after every check passed."""
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A named runtime patch of megatron-core (see the module docstring)."""
+
+    name: str
+    supported: str
+    """PEP 440 specifier set of the megatron-core releases the patch was written and tested for."""
+    why: str
+    targets: tuple[Target, ...]
+    precondition: Optional[Callable[[], None]] = None
+    """Called before anything is touched; raises (with a clear message) to refuse the patch."""
+
+    def __post_init__(self) -> None:
+        SpecifierSet(self.supported)  # fail at definition time on a malformed range
+        if not self.targets:
+            raise ValueError(f"patch {self.name!r} has no targets")
+
+
+@dataclass
+class _Installed:
+    owner: Any
+    attr: str
+    original: Any
+    replacement: Any
+
+
+_APPLIED: dict[str, list[_Installed]] = {}
+"""Patch name -> what it replaced, in application order. The single source of truth."""
+
+
+def installed_megatron_core_version() -> str:
+    """The installed megatron-core version (the distribution metadata, else ``package_info``).
+
+    Tests monkeypatch this function to simulate an unsupported release.
+    """
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        from megatron.core import package_info  # a source checkout on PYTHONPATH
+
+        return package_info.__version__
+
+
+def check_version(patch: Patch) -> None:
+    """Raise ``RuntimeError`` unless the installed megatron-core is in ``patch.supported``."""
+    installed = installed_megatron_core_version()
+    try:
+        ok = SpecifierSet(patch.supported).contains(Version(installed), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            f"patch {patch.name!r} supports megatron-core {patch.supported!r}, but megatron-core "
+            f"{installed} is installed; nothing was patched. Re-verify the patch against this "
+            f"release before widening its range."
+        )
+
+
+def _resolve(target: Target, patch_name: str) -> tuple[Any, str, Any]:
+    """Return ``(owner, leaf attribute name, current value)`` or raise a clear error."""
+    try:
+        owner: Any = importlib.import_module(target.module)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"patch {patch_name!r}: module {target.module!r} cannot be imported ({exc}); "
+            f"megatron-core moved it. Nothing was patched."
+        ) from exc
+    *path, leaf = target.attr.split(".")
+    for part in path:
+        if not hasattr(owner, part):
+            raise RuntimeError(
+                f"patch {patch_name!r}: {target.module}.{'.'.join(path)} is missing "
+                f"(megatron-core moved or renamed it). Nothing was patched."
+            )
+        owner = getattr(owner, part)
+    if inspect.isclass(owner):
+        if leaf not in vars(owner):
+            raise RuntimeError(
+                f"patch {patch_name!r}: {target.qualname} is not defined on "
+                f"{owner.__qualname__} itself (missing, or inherited: patch the defining class). "
+                f"Nothing was patched."
+            )
+        current = vars(owner)[leaf]
+    elif hasattr(owner, leaf):
+        current = getattr(owner, leaf)
+    else:
+        raise RuntimeError(
+            f"patch {patch_name!r}: {target.qualname} is missing (megatron-core moved or "
+            f"renamed it). Nothing was patched."
+        )
+    return owner, leaf, current
+
+
+def _mark(replacement: Any, original: Any, patch_name: str) -> Any:
+    if isinstance(replacement, types.FunctionType) and callable(original):
+        functools.update_wrapper(replacement, original)
+    replacement.__wrapped__ = original
+    setattr(replacement, MARKER, patch_name)
+    return replacement
+
+
+def is_applied(patch: Patch | str) -> bool:
+    """Whether the patch (or patch name) is currently applied."""
+    return (patch if isinstance(patch, str) else patch.name) in _APPLIED
+
+
+def applied() -> list[str]:
+    """Names of the applied patches, in application order."""
+    return list(_APPLIED)
+
+
+def apply(patch: Patch) -> bool:
+    """Apply ``patch``; return False if it was already applied (a no-op), True otherwise.
+
+    Order: version check, precondition, resolve every target; only then replace. Any failure in
+    the first three steps leaves megatron-core untouched.
+    """
+    if patch.name in _APPLIED:
+        return False
+    check_version(patch)
+    if patch.precondition is not None:
+        patch.precondition()
+    resolved = [_resolve(t, patch.name) for t in patch.targets]
+    for target, (_, _, current) in zip(patch.targets, resolved):
+        other = getattr(current, MARKER, None)
+        if other is not None:
+            raise RuntimeError(
+                f"patch {patch.name!r}: {target.qualname} is already replaced by patch "
+                f"{other!r}; two patches may not wrap the same attribute. Nothing was patched."
+            )
+    replacements = [t.make(current) for t, (_, _, current) in zip(patch.targets, resolved)]
+    installed: list[_Installed] = []
+    for (owner, leaf, current), replacement in zip(resolved, replacements):
+        setattr(owner, leaf, _mark(replacement, current, patch.name))
+        installed.append(_Installed(owner, leaf, current, replacement))
+    _APPLIED[patch.name] = installed
+    return True
+
+
+def revert(patch: Patch | str) -> bool:
+    """Restore the originals of an applied patch; return False if it was not applied.
+
+    Raises (before restoring anything) if some target was replaced again by someone else since,
+    since restoring our original would silently drop their replacement.
+    """
+    name = patch if isinstance(patch, str) else patch.name
+    installed = _APPLIED.get(name)
+    if installed is None:
+        return False
+    for item in installed:
+        current = vars(item.owner).get(item.attr) if inspect.isclass(item.owner) else getattr(
+            item.owner, item.attr, None
+        )
+        if current is not item.replacement:
+            raise RuntimeError(
+                f"cannot revert patch {name!r}: {getattr(item.owner, '__name__', item.owner)}."
+                f"{item.attr} was replaced by something else after the patch was applied. "
+                f"Nothing was reverted."
+            )
+    for item in reversed(installed):
+        setattr(item.owner, item.attr, item.original)
+    del _APPLIED[name]
+    return True

@@ -1,0 +1,281 @@
+"""CPU/gloo shim: run megatron-core schedules, DDP, tensor-parallel layers and GPTModel on CPU.
+
+WHY
+    megatron-core assumes CUDA in a handful of spots that are harmless to redirect on a CPU-only
+    machine: receive buffers, TP gather buffers, DDP grad buffers and the global memory buffer are
+    allocated on ``torch.cuda.current_device()``; p2p communication calls
+    ``torch.cuda.synchronize()``; the schedules create ``total_num_tokens`` with a literal
+    ``device="cuda"``; the default causal mask is built on ``"cuda"``; the RNG tracker reads and
+    writes the CUDA generator; and with PP > 1 and tied embeddings
+    ``LanguageModule.setup_embeddings_and_output_layer`` calls ``Tensor.cuda()``. This shim makes
+    those spots use the CPU so the real schedules and models can be tested with gloo on CPU
+    (see /work/shared/notes/megatron-core-facts.md). It is CPU-only: it refuses to apply when
+    ``torch.cuda.is_available()``.
+
+HOW (wrappers only, never a copy of an upstream function)
+    * ``torch`` in the namespace of each module in :data:`TORCH_PROXY_MODULES` is replaced by a
+      thin proxy (:class:`_TorchOnCpu`) that delegates every attribute to the real ``torch``
+      except: ``zeros/ones/empty/full/tensor/arange`` map a CUDA ``device`` argument to CPU, and
+      ``cuda`` is a proxy of ``torch.cuda`` whose ``current_device()`` returns the CPU device
+      and whose ``synchronize()`` is a no-op. The upstream functions run unchanged; only the
+      name ``torch`` they look up in their own module globals differs. Because
+      ``get_default_causal_mask`` / ``get_sliding_window_causal_mask`` resolve ``torch`` in
+      ``megatron.core.transformer.utils``, the proxy there covers them for every importer
+      (``fused_softmax`` imports them by name).
+    * In ``megatron.core.tensor_parallel.random`` the ``torch.cuda`` proxy also maps the CUDA
+      RNG calls used by ``CudaRNGStatesTracker.add`` / ``fork`` and
+      ``model_parallel_cuda_manual_seed`` (``get_rng_state``, ``manual_seed``,
+      ``random.get_rng_state``) onto the CPU generator, and ``_set_cuda_rng_state`` is wrapped
+      to set the CPU generator state (its upstream body queues a ``_lazy_call`` on a CUDA
+      generator that does not exist). On CPU the CPU generator *is* the device generator, so the
+      tracker keeps its meaning: ``fork()`` swaps in a per-TP-rank stream. Side effect,
+      deliberate and documented: ``model_parallel_cuda_manual_seed(seed)`` seeds the global CPU
+      generator with ``seed``, as it seeds the CUDA default generator on GPU.
+    * ``LanguageModule.setup_embeddings_and_output_layer`` is wrapped to run under a
+      ``TorchFunctionMode`` that turns ``Tensor.cuda()`` into identity, for the duration of
+      that call only. ``Tensor.cuda`` is a method of the global Tensor class, so no module
+      namespace can be patched; a torch-function mode is scoped to the call (and thread) instead
+      of monkeypatching ``torch.Tensor``.
+
+    No torch attribute is patched: other code (the user's, tests') still sees the real ``torch``,
+    ``torch.cuda`` and ``torch.Tensor``. The one global effect is the documented seeding of the
+    CPU generator by ``model_parallel_cuda_manual_seed``.
+
+TARGETS (megatron-core >=0.16.0,<0.17)
+    ``<module>.torch`` for every module in :data:`TORCH_PROXY_MODULES`;
+    ``megatron.core.tensor_parallel.random._set_cuda_rng_state``;
+    ``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving``
+    (a guard, see NOT COVERED);
+    ``megatron.core.models.common.language_module.language_module.LanguageModule.``
+    ``setup_embeddings_and_output_layer``.
+
+NOT COVERED
+    ``tensor_parallel.broadcast_data`` (calls ``Tensor.cuda()``; feed batches directly on CPU),
+    the local-spec ``DotProductAttention`` with packed sequences (use
+    ``megatron_pg_agg.thd_attention.ThdDotProductAttention``), context parallelism (needs TE),
+    ``ReduceOp.AVG`` (gloo lacks it: keep ``average_in_collective=False``),
+    ``batch_p2p_comm=True`` with interleaved pipelines (runs on gloo but mismatches messages:
+    use ``batch_p2p_comm=False``), and ``variable_seq_lengths=True`` with the interleaved
+    schedule (it deadlocks on gloo; ``schedules.forward_backward_pipelining_with_interleaving``
+    is wrapped to raise a clear error instead of hanging: pad micro-batches to one length).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._machinery import Patch, Target
+
+NAME = "cpu_gloo"
+SUPPORTED = ">=0.16.0,<0.17"
+
+TORCH_PROXY_MODULES: tuple[str, ...] = (
+    "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor (attention baddbmm buffer)
+    "megatron.core.parallel_state",  # synchronize around barriers
+    "megatron.core.pipeline_parallel.p2p_communication",  # recv buffers, synchronize
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens device="cuda"
+    "megatron.core.tensor_parallel.layers",  # SP/TP gather buffers
+    "megatron.core.tensor_parallel.mappings",  # gather / reduce-scatter buffers
+    "megatron.core.tensor_parallel.utils",  # gather_split_1d_tensor
+    "megatron.core.tensor_parallel.random",  # RNG tracker (rng=True)
+    "megatron.core.distributed.param_and_grad_buffer",  # DDP grad buffers
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.transformer.utils",  # get_default_causal_mask
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",  # softmax_offset
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq -> device
+)
+_RNG_MODULE = "megatron.core.tensor_parallel.random"
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    # torch reads a bare int device as a CUDA ordinal
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _device_to_cpu(fn):
+    """Wrap a torch factory so that a CUDA ``device`` keyword lands on the CPU."""
+
+    def factory(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    factory.__name__ = getattr(fn, "__name__", "factory")
+    factory.__wrapped__ = fn
+    return factory
+
+
+class _RandomOnCpu:
+    """``torch.cuda.random`` as seen by the RNG module: its state is the CPU generator's."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_real":  # not constructed yet (copy/pickle): never recurse
+            raise AttributeError(name)
+        return getattr(self._real, name)
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` as seen by one megatron module: the current device is the CPU."""
+
+    def __init__(self, real: Any, rng: bool) -> None:
+        self._real = real
+        if rng:
+            self.get_rng_state = _RandomOnCpu.get_rng_state
+            self.manual_seed = torch.manual_seed
+            self.random = _RandomOnCpu(real.random)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_real":  # not constructed yet (copy/pickle): never recurse
+            raise AttributeError(name)
+        return getattr(self._real, name)
+
+    def __repr__(self) -> str:
+        return f"<cpu_gloo proxy of {self._real!r}>"
+
+
+class _TorchOnCpu:
+    """``torch`` as seen by one megatron module; everything else delegates to the real torch."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+    def __init__(self, real: Any, rng: bool = False) -> None:
+        self._real = real
+        self.cuda = _CudaOnCpu(real.cuda, rng)
+        for name in self._FACTORIES:
+            setattr(self, name, _device_to_cpu(getattr(real, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_real":  # not constructed yet (copy/pickle): never recurse
+            raise AttributeError(name)
+        return getattr(self._real, name)
+
+    def __repr__(self) -> str:
+        return f"<cpu_gloo proxy of {self._real!r}>"
+
+
+def _make_torch_proxy(rng: bool):
+    def make(original: Any) -> _TorchOnCpu:
+        return _TorchOnCpu(original, rng=rng)
+
+    return make
+
+
+def _make_set_rng_state(original):
+    """``_set_cuda_rng_state`` -> set the CPU generator (the graph-safe path stays upstream)."""
+
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        if graph_safe:
+            return original(new_state, device, graph_safe)
+        torch.set_rng_state(new_state)
+        return None
+
+    return _set_cuda_rng_state
+
+
+class _TensorCudaIsIdentity(TorchFunctionMode):
+    """Inside this mode ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _make_setup_embeddings(original):
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        with _TensorCudaIsIdentity():
+            return original(self, *args, **kwargs)
+
+    return setup_embeddings_and_output_layer
+
+
+def _make_interleaved_guard(original):
+    """Refuse ``variable_seq_lengths`` in the interleaved schedule on gloo, with a clear error.
+
+    With ``variable_seq_lengths`` every p2p call first exchanges shapes and *waits* for all of
+    them (``P2PCommunicator._communicate_shapes``); the tensors follow asynchronously. In the
+    interleaved schedule a rank's call can hold a shape send that the peer receives only in a
+    later call (observed with PP=2, 2 virtual stages, 4 ranks: rank 2 blocked in a
+    send_prev+recv_prev shape exchange whose send rank 0 receives only later, rank 0 blocked
+    waiting for the tensor rank 2 sends after that exchange). On gloo that send apparently does
+    not complete before the matching receive is posted, so both wait forever. (Whether NCCL
+    behaves differently was not checked.) The 1F1B schedules pair their calls and ran fine with
+    variable lengths. Fixed-length micro-batches avoid the shape exchange: this guard turns the
+    hang into an error that says so.
+    """
+
+    def forward_backward_pipelining_with_interleaving(*args, **kwargs):
+        from megatron.core.utils import get_model_config
+
+        model = kwargs.get("model")
+        first = model[0] if isinstance(model, (list, tuple)) else model
+        if first is not None and get_model_config(first).variable_seq_lengths:
+            raise RuntimeError(
+                "cpu_gloo: the interleaved pipeline schedule with variable_seq_lengths=True "
+                "deadlocks on gloo (a blocking shape send whose receive the peer posts only in a "
+                "later p2p call). Pad every micro-batch to one length (e.g. megatron_pg_agg."
+                "packing.pack_sequences(..., pad_to_length=L)) and set "
+                "variable_seq_lengths=False."
+            )
+        return original(*args, **kwargs)
+
+    return forward_backward_pipelining_with_interleaving
+
+
+def _require_cpu_only() -> None:
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "patch 'cpu_gloo' is a CPU-only shim (it redirects megatron-core's CUDA buffers, RNG "
+            "and synchronisation to the CPU) and refuses to apply when torch.cuda.is_available(). "
+            "On a GPU machine run without it: apply_megatron_patches(cpu_gloo=False)."
+        )
+
+
+PATCH = Patch(
+    name=NAME,
+    supported=SUPPORTED,
+    why=__doc__,
+    precondition=_require_cpu_only,
+    targets=tuple(
+        Target(m, "torch", _make_torch_proxy(rng=(m == _RNG_MODULE))) for m in TORCH_PROXY_MODULES
+    )
+    + (
+        Target(_RNG_MODULE, "_set_cuda_rng_state", _make_set_rng_state),
+        Target(
+            "megatron.core.pipeline_parallel.schedules",
+            "forward_backward_pipelining_with_interleaving",
+            _make_interleaved_guard,
+        ),
+        Target(
+            "megatron.core.models.common.language_module.language_module",
+            "LanguageModule.setup_embeddings_and_output_layer",
+            _make_setup_embeddings,
+        ),
+    ),
+)
