@@ -21,7 +21,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib"],
+        # the parity command's --plot
+        "plot": ["matplotlib"],
         # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package
         # named "apex" is an unrelated web toolkit.
         "te": ["transformer-engine[pytorch]"],

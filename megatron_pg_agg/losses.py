@@ -122,7 +122,9 @@ def vocab_parallel_logprobs(
         if world > 1:
             torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
     shifted = logits - row_max.unsqueeze(-1)
-    log_z = torch.log(_tp_sum(shifted.exp().sum(dim=-1), tp_group, world))
+    exps = shifted.exp()
+    z = _tp_sum(exps.sum(dim=-1), tp_group, world)
+    log_z = torch.log(z)
     local = target - rank * shard
     in_shard = (local >= 0) & (local < shard)
     picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
@@ -130,8 +132,12 @@ def vocab_parallel_logprobs(
     logprobs = picked - log_z
     if not with_entropy:
         return logprobs, None
-    probs = torch.exp(shifted - log_z.unsqueeze(-1))
-    entropy = log_z - _tp_sum((probs * shifted).sum(dim=-1), tp_group, world)
+    # H = log Z - sum_v e^{x_v} x_v / Z. Both sums are reduced from purely local terms, so the
+    # identity backward of the all-reduce is exact. (Writing H = log Z - sum_v p_v x_v with
+    # p_v = e^{x_v} / Z would put Z inside each rank's local term, and each rank's backward
+    # would miss the other shards' dependence on Z: the parity suite caught that.)
+    weighted = _tp_sum((exps * shifted).sum(dim=-1), tp_group, world)
+    entropy = log_z - weighted / z
     return logprobs, entropy
 
 

@@ -189,3 +189,30 @@ def wrap_in_ddp(
         )
         for i, chunk in enumerate(chunks)
     ]
+
+
+class PerTokenLM(torch.nn.Module):
+    """A language model with no cross-token interaction: logits_t depend on token_t only.
+
+    It stands in for GPTModel where attention would need Transformer Engine (context parallelism
+    on CPU): with a per-token model, a CP shard of a sequence is computed exactly as in the whole
+    sequence, so a CP run isolates what the loss side does with sharded tokens (weights, counts,
+    the DP x CP reductions). Same call signature as GPTModel; logits ``[1, T, V]`` (TP = 1).
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, hidden_size: int = 32):
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.embedding = torch.nn.Embedding(vocab_size, hidden_size)
+        self.mix = torch.nn.Linear(hidden_size, hidden_size)
+        self.output_layer = torch.nn.Linear(hidden_size, vocab_size)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline hook; this model only runs with PP = 1."""
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, packed_seq_params=None, **_):
+        hidden = torch.tanh(self.mix(self.embedding(input_ids)))
+        return self.output_layer(hidden)

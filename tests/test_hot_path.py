@@ -121,3 +121,26 @@ def test_weighted_sum_compiles_with_inductor():
     s, c = compiled(loss, num, weights, validate=False)
     rs, rc = weighted_sum(loss, num, weights)
     assert torch.equal(c, rc) and torch.allclose(s, rs)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_megatron_loss_func_trace_is_sync_free(mode):
+    """The whole per-microbatch loss path Megatron calls (logprobs, entropy, PPO, KL, weighted
+    sum, report) traced forward and backward."""
+    from megatron_pg_agg.losses import PGLossConfig
+    from megatron_pg_agg.megatron_loss import pg_loss_func
+    from megatron_pg_agg.planner import PlanConfig, plan_step
+
+    from rollouts import VOCAB, fixed_step
+
+    kw = {"divisor": 16.0} if mode == "constant" else {}
+    cfg = PGLossConfig(mode=mode, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0, **kw)
+    plan = plan_step(fixed_step(), cfg, PlanConfig(dp_size=2, num_microbatches=2))
+    mb = plan.for_rank(1)[1]
+    logits = torch.randn(1, mb.num_tokens, VOCAB, requires_grad=True)
+    trace = OpTrace()
+    with trace:
+        loss, count, report = pg_loss_func(mb, cfg, plan.totals, None, logits)
+        loss.backward()
+    assert count.dtype == torch.int32 and set(report) >= {"objective", "pg_loss", "kl", "entropy"}
+    assert trace.violations == [], trace.violations

@@ -1,0 +1,554 @@
+"""Layout parity: one optimizer step under several parallel layouts against a single-device reference.
+
+    python -m megatron_pg_agg.parity                      # default layouts, every mode
+    python -m megatron_pg_agg.parity --modes seq_mean --json out.json --plot errors.png
+
+The launcher groups the layouts by world size and starts one ``torchrun`` per group (many layouts
+per launch: start-up dominates). Each worker computes the reference on its own (TP = PP = 1, the
+whole step in one ``aggregate`` call, per-sequence forward passes, autograd), then for every
+layout: builds the model with the reference weights (TP shards sliced by ``partition_dim``,
+pipeline layers mapped by ``layer_number``), plans the step, runs megatron-core's real
+forward-backward schedule with DDP and ``finalize_model_grads``, gathers the gradient shards and
+compares: the logged objective within 1e-6 relative, every parameter's gradient within 1e-5
+(max abs error / max abs reference value). Layouts marked ``expect_fail`` are negative controls:
+they pass the check only if parity FAILS. Exit status 0 iff every row passes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+OBJECTIVE_RTOL = 1e-6
+GRAD_RTOL = 1e-5
+VOCAB = 64
+MAX_SEQ_LEN = 64
+NUM_LAYERS = 4
+MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
+CONSTANT_DIVISOR = 16.0
+
+
+@dataclass(frozen=True)
+class ParityLayout:
+    """One parallel layout of the step."""
+
+    name: str
+    """Label in the table."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None = not interleaved."""
+    cp: int = 1
+    """Context-parallel size (with the per-token model: CP attention needs TE)."""
+    dp: int = 1
+    """Data-parallel size; the world size is tp * pp * cp * dp."""
+    num_microbatches: int = 1
+    """Microbatches per DP rank."""
+    per_token_model: bool = False
+    """Use PerTokenLM instead of GPTModel (required for cp > 1 on CPU)."""
+    control: Optional[str] = None
+    """Negative control: 'megatron_default_averaging' (calculate_per_token_loss=False) or
+    'per_microbatch_weights' (weights computed inside each rank's microbatch, not per step)."""
+    control_modes: Optional[tuple] = None
+    """Modes a control runs in (a control is only meaningful where it must change the result)."""
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def expect_fail(self) -> bool:
+        return self.control is not None
+
+
+DEFAULT_LAYOUTS = (
+    ParityLayout("DP=2, 3 mb", dp=2, num_microbatches=3),
+    ParityLayout("TP=2, 3 mb", tp=2, num_microbatches=3),
+    ParityLayout("PP=2 (1F1B), 3 mb", pp=2, num_microbatches=3),
+    ParityLayout("PP=2 interleaved (2 virtual), 4 mb", pp=2, vpp=2, num_microbatches=4),
+    ParityLayout("1 mb (TP=2)", tp=2, num_microbatches=1),
+    ParityLayout("8 mb (PP=2)", pp=2, num_microbatches=8),
+    ParityLayout("DP=2 x PP=2, 3 mb", dp=2, pp=2, num_microbatches=3),
+    ParityLayout("TP=2 x PP=2, 3 mb", tp=2, pp=2, num_microbatches=3),
+    ParityLayout("TP=2 x DP=2, 2 mb", tp=2, dp=2, num_microbatches=2),
+    ParityLayout("CP=2 x DP=2 (per-token model), 2 mb", cp=2, dp=2, num_microbatches=2, per_token_model=True),
+    ParityLayout("control: Megatron default averaging, DP=2, 3 mb", dp=2, num_microbatches=3,
+                 control="megatron_default_averaging", control_modes=("token_mean",)),
+    ParityLayout("control: per-microbatch weights, DP=2, 3 mb", dp=2, num_microbatches=3,
+                 control="per_microbatch_weights", control_modes=("prompt_mean",)),
+    ParityLayout("control: per-microbatch weights, CP=2 x DP=2", cp=2, dp=2, num_microbatches=2,
+                 per_token_model=True, control="per_microbatch_weights", control_modes=("seq_mean",)),
+)
+
+
+def loss_config(mode: str):
+    from .losses import PGLossConfig
+
+    return PGLossConfig(
+        mode=mode, divisor=CONSTANT_DIVISOR if mode == "constant" else None,
+        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0,
+        kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01,
+    )
+
+
+def parity_rollouts(seed: int = 7):
+    """The built-in step: ragged prompt groups (3, 1, 2, 4, 2), one response with no valid
+    token, filtered numerator tokens, 3..21 tokens per sequence, groups interleaved in input order."""
+    import random
+
+    from .planner import Rollout
+
+    rng = random.Random(seed)
+    rollouts, seq = [], 0
+    for g, size in enumerate((3, 1, 2, 4, 2)):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        for _ in range(size):
+            n = rng.randint(1, 15)
+            mask = [0] * n if seq == 4 else [1 if rng.random() > 0.15 else 0 for _ in range(n)]
+            adv = rng.uniform(-1.5, 1.5)
+            rollouts.append(Rollout(
+                prompt_ids=prompt,
+                response_ids=[rng.randrange(VOCAB) for _ in range(n)],
+                loss_mask=mask,
+                advantages=[adv + rng.uniform(-0.1, 0.1) for _ in range(n)],
+                old_logprobs=[-rng.uniform(3.0, 5.5) for _ in range(n)],
+                ref_logprobs=[-rng.uniform(3.0, 5.5) for _ in range(n)],
+                group_id=f"prompt-{g}",
+                numerator_mask=[m if rng.random() > 0.2 else 0 for m in mask],
+            ))
+            seq += 1
+    rng.shuffle(rollouts)
+    return rollouts
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _build(layout: ParityLayout, per_token: bool, *, per_token_loss: bool = True):
+    import torch
+
+    from .model import PerTokenLM, build_model_chunks, tiny_transformer_config
+
+    config = tiny_transformer_config(
+        num_layers=NUM_LAYERS,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        # 1F1B exchanges shapes per microbatch; the interleaved schedule gets uniform packs
+        variable_seq_lengths=layout.pp > 1 and layout.vpp is None,
+        calculate_per_token_loss=per_token_loss,
+    )
+    torch.manual_seed(1234)
+    if per_token:
+        return config, [PerTokenLM(config, VOCAB)]
+    return config, build_model_chunks(config, VOCAB, MAX_SEQ_LEN, share_embeddings_and_output_weights=False)
+
+
+def _full_name(module, name: str) -> str:
+    """Local parameter name -> the single-device model's name (pipeline layers renumbered)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = module.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    return ".".join(parts)
+
+
+def _tp_info():
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def load_full_state(chunks, full_state: dict) -> None:
+    """Copy single-device weights into this rank's (TP-sharded, PP-split) chunks."""
+    import torch
+
+    tp_rank, tp_size, _ = _tp_info()
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                full = full_state[_full_name(chunk, name)]
+                if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                    full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+                if full.shape != param.shape:
+                    raise RuntimeError(f"{name}: shard {tuple(full.shape)} != parameter {tuple(param.shape)}")
+                param.copy_(full)
+
+
+def gather_full_grads(ddp_chunks) -> dict:
+    """This rank's ``main_grad``s, TP shards concatenated, under single-device names."""
+    import torch
+
+    tp_rank, tp_size, tp_group = _tp_info()
+    out = {}
+    for chunk in ddp_chunks:
+        module = chunk.module
+        for name, param in module.named_parameters():
+            grad = param.main_grad.detach().clone()
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                parts = [torch.empty_like(grad) for _ in range(tp_size)]
+                torch.distributed.all_gather(parts, grad, group=tp_group)
+                grad = torch.cat(parts, dim=param.partition_dim)
+            out[_full_name(module, name)] = grad
+    return out
+
+
+def reference(rollouts, mode: str, per_token: bool, full_state: Optional[dict] = None):
+    """Single-device objective and gradients: every sequence forwarded on its own, the whole step
+    aggregated in ONE local-form call (no planner, no token weights, no split)."""
+    import torch
+
+    from .aggregation import aggregate
+    from .losses import kl_penalty, ppo_token_losses
+
+    cfg = loss_config(mode)
+    layout = ParityLayout("reference")
+    _, chunks = _build(layout, per_token)
+    model = chunks[0]
+    if full_state is not None:
+        load_full_state([model], full_state)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None and not k.endswith("_extra_state")}
+    first_seen = {}
+    for r in rollouts:
+        first_seen.setdefault(r.group_id, len(first_seen))
+    order = sorted(range(len(rollouts)), key=lambda i: (first_seen[rollouts[i].group_id], i))
+    group_sizes = []
+    for k, i in enumerate(order):
+        same = k and rollouts[i].group_id == rollouts[order[k - 1]].group_id
+        if same:
+            group_sizes[-1] += 1
+        else:
+            group_sizes.append(1)
+    width = max(len(r.response_ids) for r in rollouts)
+    rows = len(rollouts)
+    num = torch.zeros(rows, width, dtype=torch.bool)
+    den = torch.zeros(rows, width, dtype=torch.bool)
+    pg_rows, kl_rows, ent_rows = [], [], []
+    for row, i in enumerate(order):
+        r = rollouts[i]
+        ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)])
+        logits = model(ids, torch.arange(ids.shape[1])[None], None)[0].float()
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        logp_all = torch.log_softmax(logits[p - 1:p + n - 1], -1)
+        logp = logp_all.gather(-1, torch.tensor(list(r.response_ids))[:, None])[:, 0]
+        d = torch.tensor(list(r.loss_mask), dtype=torch.bool)
+        nm = d & torch.tensor(list(r.numerator_mask), dtype=torch.bool)
+        old = torch.where(d, torch.tensor(r.old_logprobs, dtype=torch.float32), 0.0)
+        adv = torch.where(d, torch.tensor(r.advantages, dtype=torch.float32), 0.0)
+        ref = torch.where(d, torch.tensor(r.ref_logprobs, dtype=torch.float32), 0.0)
+        pg, _, _ = ppo_token_losses(logp, old, adv, cfg)
+        pad = width - n
+        pg_rows.append(torch.nn.functional.pad(pg, (0, pad)))
+        kl_rows.append(torch.nn.functional.pad(kl_penalty(logp, ref, cfg.kl_estimator), (0, pad)))
+        ent_rows.append(torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), (0, pad)))
+        num[row, :n], den[row, :n] = nm, d
+    pg = torch.stack(pg_rows)
+    j_pg, weight = aggregate(pg, num, denominator_mask=den, mode=cfg.canonical_mode,
+                             divisor=cfg.divisor, group_sizes=group_sizes)
+    objective = j_pg
+    valid = int(den.sum())
+    if int(weight) > 0:
+        objective = (objective + cfg.kl_coef * torch.where(den, torch.stack(kl_rows), 0.0).sum() / valid
+                     - cfg.entropy_coef * torch.where(den, torch.stack(ent_rows), 0.0).sum() / valid)
+    objective.backward()
+    grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+             for name, p in model.named_parameters()}
+    return float(objective), grads, state
+
+
+def _per_microbatch_weights(mb, rollouts, cfg, cp):
+    """The control's bug: weights computed from the tokens one rank sees in one microbatch."""
+    from .aggregation import token_weights
+
+    pads = [b - a for a, b in zip(mb.cu_seqlens_padded.tolist()[:-1], mb.cu_seqlens_padded.tolist()[1:])]
+    local = [n // cp for n in pads]
+    cu = [0]
+    for n in local:
+        cu.append(cu[-1] + n)
+    groups = []
+    for k, s in enumerate(mb.sequence_ids):
+        if k and rollouts[s].group_id == rollouts[mb.sequence_ids[k - 1]].group_id:
+            groups[-1] += 1
+        else:
+            groups.append(1)
+    import torch
+
+    return token_weights(mb.numerator_mask, mode=cfg.canonical_mode, divisor=cfg.divisor,
+                         cu_seqlens=torch.tensor(cu), group_sizes=groups,
+                         denominator_mask=mb.denominator_mask)
+
+
+def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
+    """Run one layout for each mode; returns rows on global rank 0 (None elsewhere)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .megatron_loss import check_megatron_config, make_forward_step
+    from .model import default_ddp_config, wrap_in_ddp
+    from .parallel import init_parallel, teardown_parallel
+    from .planner import PlanConfig, plan_step
+
+    init_parallel(layout.tp, layout.pp, layout.vpp, layout.cp)
+    per_token_loss = layout.control != "megatron_default_averaging"
+    config, chunks = _build(layout, layout.per_token_model, per_token_loss=per_token_loss)
+    load_full_state(chunks, full_states[layout.per_token_model])
+    ddp_config = default_ddp_config()
+    model = wrap_in_ddp(chunks, config, ddp_config)
+    config.finalize_model_grads_func = finalize_model_grads
+    if layout.control is None:
+        check_megatron_config(config, ddp_config)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    keep = dp_rank == 0 and cp_rank == 0
+    rows = []
+    for mode in modes:
+        cfg = loss_config(mode)
+        plan = plan_step(rollouts, cfg, PlanConfig(
+            dp_size=layout.dp, num_microbatches=layout.num_microbatches, tp_size=layout.tp,
+            cp_size=layout.cp, vocab_size=VOCAB, uniform_microbatch_tokens=layout.vpp is not None,
+        ), cp_rank=cp_rank)
+        mbs = plan.for_rank(dp_rank)
+        if layout.control == "per_microbatch_weights":
+            mbs = [replace(mb, weights=_per_microbatch_weights(mb, rollouts, cfg, layout.cp)) for mb in mbs]
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        forward_step = make_forward_step(cfg, plan.totals, tp_group=parallel_state.get_tensor_model_parallel_group())
+        iterators = [iter(mbs) for _ in model]
+        t0 = time.perf_counter()
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=model,
+            num_microbatches=len(mbs),
+            seq_length=max(mb.num_tokens for mb in mbs),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        step_s = time.perf_counter() - t0
+        pair = torch.zeros(2, dtype=torch.float64)
+        if last_stage:
+            for report in store:
+                pair += report["objective"].double()
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        grads = gather_full_grads(model) if keep else {}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (last_stage and keep, pair.tolist(), grads))
+        if dist.get_rank() != 0:
+            continue
+        objective = next(p[0] / p[1] if p[1] else 0.0 for is_src, p, _ in gathered if is_src)
+        full = {}
+        for _, _, g in gathered:
+            full.update(g)
+        ref_obj, ref_grads, _ = references[(layout.per_token_model, mode)]
+        missing = sorted(set(ref_grads) - set(full))
+        if missing:
+            raise RuntimeError(f"{layout.name}: no gradient gathered for {missing}")
+        errors = {
+            k: float((full[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-30))
+            for k in ref_grads
+        }
+        worst = max(errors, key=errors.get)
+        grad_err = errors[worst]
+        if os.environ.get("PG_AGG_PARITY_DEBUG"):
+            for k in sorted(errors, key=errors.get)[-6:]:
+                print(f"  {k}: rel {errors[k]:.2e} ref max {float(ref_grads[k].abs().max()):.3e} "
+                      f"abs err {float((full[k] - ref_grads[k]).abs().max()):.3e}", flush=True)
+        obj_err = abs(objective - ref_obj) / max(abs(ref_obj), 1e-30)
+        within = obj_err <= OBJECTIVE_RTOL and grad_err <= GRAD_RTOL
+        rows.append({
+            "layout": layout.name, "mode": mode, "objective": objective, "reference": ref_obj,
+            "objective_rel_err": obj_err, "grad_max_rel_err": grad_err, "worst_parameter": worst,
+            "expect_fail": layout.expect_fail, "passed": within != layout.expect_fail,
+            "microbatch_balance": plan.stats["microbatch_balance"], "step_s": step_s,
+        })
+    teardown_parallel()
+    return rows if dist.get_rank() == 0 else None
+
+
+def worker_main(argv=None) -> int:
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    from .patches import apply_megatron_patches
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts-json", required=True)
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    faulthandler.dump_traceback_later(float(os.environ.get("PG_AGG_HANG_DUMP_S", "540")), exit=True)
+    if not torch.cuda.is_available():
+        apply_megatron_patches(cpu_gloo=True)
+    from .parallel import init_distributed, init_parallel, teardown_parallel
+
+    init_distributed()
+    layouts = [ParityLayout(**d) for d in json.loads(args.layouts_json)]
+    rollouts = parity_rollouts()
+    # The reference: the same on every rank (deterministic CPU init), then shared weights.
+    init_parallel(1, 1)
+    references, full_states = {}, {}
+    for per_token in sorted({lay.per_token_model for lay in layouts}):
+        for mode in args.modes:
+            obj, grads, state = reference(rollouts, mode, per_token, full_states.get(per_token))
+            full_states.setdefault(per_token, state)
+            references[(per_token, mode)] = (obj, grads, state)
+    teardown_parallel()
+    rows = []
+    for layout in layouts:
+        modes = [m for m in args.modes if layout.control_modes is None or m in layout.control_modes]
+        if not modes:
+            continue
+        got = run_layout(layout, rollouts, modes, full_states, references)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            rows.extend(got)
+            for row in got:
+                print(_format_row(row), flush=True)
+    if dist.get_rank() == 0:
+        ref_rows = [{"layout": "single-process reference" + (" (per-token model)" if pt else ""),
+                     "mode": m, "objective": references[(pt, m)][0], "reference": references[(pt, m)][0],
+                     "objective_rel_err": 0.0, "grad_max_rel_err": 0.0, "expect_fail": False, "passed": True}
+                    for pt in sorted(full_states) for m in args.modes]
+        with open(args.out, "w") as f:
+            json.dump(ref_rows + rows, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------- launcher side
+
+
+def _format_row(row) -> str:
+    verdict = "pass" if row["passed"] else "FAIL"
+    if row["expect_fail"]:
+        verdict += " (control: must differ)"
+    return (f"{row['layout']:<50} {row['mode']:<12} {row['objective']:>+12.7f} "
+            f"{row['objective_rel_err']:>10.2e} {row['grad_max_rel_err']:>10.2e}  {verdict}")
+
+
+def print_table(rows) -> None:
+    print(f"{'layout':<50} {'mode':<12} {'objective':>12} {'obj relerr':>10} {'grad relerr':>10}  result")
+    for row in rows:
+        print(_format_row(row))
+
+
+def plot_errors(rows, path: str) -> None:
+    """PNG of the max relative gradient error per layout (one marker per mode) vs the tolerance."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise SystemExit("--plot needs matplotlib: pip install 'megatron_pg_agg[plot]'") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(dict.fromkeys(r["layout"] for r in rows if not r["layout"].startswith("single")))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(layouts) + 1.5))
+    for k, mode in enumerate(MODES):
+        ys, xs = [], []
+        for i, lay in enumerate(layouts):
+            for r in rows:
+                if r["layout"] == lay and r["mode"] == mode:
+                    ys.append(i + (k - 1.5) * 0.12)
+                    xs.append(max(r["grad_max_rel_err"], 1e-12))
+        ax.scatter(xs, ys, label=mode, s=18)
+    ax.axvline(GRAD_RTOL, color="red", linestyle="--", label=f"tolerance {GRAD_RTOL:g}")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.5, len(layouts) - 0.5)
+    ax.set_yticks(range(len(layouts)), layouts, fontsize=7)
+    ax.set_xlabel("max relative gradient error vs single-process reference")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def launch(layouts, modes, *, timeout_s: float = 900.0, log=print, echo: bool = False) -> list:
+    """Run ``layouts`` (grouped by world size, one torchrun each) and return every row."""
+    rows = []
+    by_world = {}
+    for layout in layouts:
+        by_world.setdefault(layout.world, []).append(layout)
+    for world, group in sorted(by_world.items()):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(world), "-m", "megatron_pg_agg.parity", "--worker", "--out", out,
+                   "--layouts-json", json.dumps([asdict(lay) for lay in group]), "--modes", *modes]
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            log(f"[parity] launching {world} ranks for {len(group)} layouts x {len(modes)} modes", flush=True)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            lines = []
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    if echo:
+                        log("  " + line.rstrip(), flush=True)
+                    if time.monotonic() - t0 > timeout_s:
+                        raise subprocess.TimeoutExpired(cmd, timeout_s)
+                proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise RuntimeError(f"parity launch ({world} ranks) timed out after {timeout_s:.0f}s:\n" + "".join(lines[-200:]))
+            if proc.returncode != 0 or not os.path.exists(out):
+                raise RuntimeError(f"parity launch ({world} ranks) failed with rc={proc.returncode}:\n" + "".join(lines[-200:]))
+            with open(out) as f:
+                got = json.load(f)
+            log(f"[parity] {world} ranks done in {time.monotonic() - t0:.1f}s", flush=True)
+            seen = {(r["layout"], r["mode"]) for r in rows}
+            rows.extend(r for r in got if (r["layout"], r["mode"]) not in seen)
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker_main([a for a in argv if a != "--worker"])
+    parser = argparse.ArgumentParser(prog="megatron-pg-agg-parity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--layouts", nargs="+", help="substrings selecting layouts by name (default: all)")
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--plot", help="write a PNG of the gradient errors per layout here")
+    parser.add_argument("--verbose", action="store_true", help="echo the workers' output (rows as they finish)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch")
+    args = parser.parse_args(argv)
+    layouts = [lay for lay in DEFAULT_LAYOUTS
+               if (args.layouts is None or any(s in lay.name for s in args.layouts))
+               and not (args.no_controls and lay.expect_fail)]
+    if not layouts:
+        parser.error("no layout matches --layouts")
+    rows = launch(layouts, args.modes, timeout_s=args.timeout, echo=args.verbose,
+                  log=lambda *a, **k: print(*a, file=sys.stderr, **k))
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot_errors(rows, args.plot)
+    failed = [r for r in rows if not r["passed"]]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
