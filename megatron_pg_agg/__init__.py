@@ -4,12 +4,17 @@ The aggregation contract (formulas for every mode) is in :mod:`megatron_pg_agg.a
 """
 from .aggregation import TokenWeights, aggregate, token_weights, weighted_sum
 from .modes import ALIASES, MODES, resolve_mode
+from .args import add_pg_agg_args, config_from_args
+from .losses import PGLossConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALIASES",
     "MODES",
+    "PGLossConfig",
+    "add_pg_agg_args",
+    "config_from_args",
     "TokenWeights",
     "aggregate",
     "resolve_mode",

@@ -48,6 +48,9 @@ class PGLossConfig:
     """KL estimator per token: k1 = log(pi/ref), k2 = 0.5 log(pi/ref)^2, k3 = ref/pi - log(ref/pi) - 1."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
+    report_entropy: bool = True
+    """Compute the entropy for the report even when entropy_coef is 0 (one more pass over the
+    vocabulary shard and, with TP, one more small all-reduce per microbatch)."""
     canonical_mode: str = field(init=False, default=TOKEN_MEAN)
     """The resolved canonical mode (set from ``mode``)."""
 
@@ -76,7 +79,7 @@ class PGLossConfig:
 
     @property
     def needs_entropy(self) -> bool:
-        return self.entropy_coef > 0
+        return self.entropy_coef > 0 or self.report_entropy
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -220,17 +223,19 @@ def pg_loss_sum(
         "ratio": torch.stack([torch.where(numerator_mask, ratio.detach(), 0.0).sum(), num_tokens]),
     }
     scale = totals.extra_scale
-    if cfg.needs_reference:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs reference log-probs in every microbatch")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs reference log-probs in every microbatch")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy")
+    if ref_logprobs is not None:  # reported whenever known; in the loss only with a coefficient
         kl = torch.where(denominator_mask, kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), 0.0).sum()
-        loss_sum = loss_sum + (cfg.kl_coef * scale) * kl
+        if cfg.kl_coef > 0:
+            loss_sum = loss_sum + (cfg.kl_coef * scale) * kl
         report["kl"] = torch.stack([kl.detach(), den_tokens])
-    if cfg.needs_entropy:
-        if entropy is None:
-            raise ValueError("entropy_coef > 0 needs the per-token entropy")
+    if entropy is not None:
         ent = torch.where(denominator_mask, entropy, 0.0).sum()
-        loss_sum = loss_sum - (cfg.entropy_coef * scale) * ent
+        if cfg.entropy_coef > 0:
+            loss_sum = loss_sum - (cfg.entropy_coef * scale) * ent
         report["entropy"] = torch.stack([ent.detach(), den_tokens])
     report["objective"] = torch.stack([loss_sum.detach().clone(), count_f])
     return loss_sum, count, report

@@ -225,7 +225,9 @@ def plan_step(
     num = torch.zeros(total, dtype=torch.bool)
     adv = torch.zeros(total, dtype=torch.float32)
     old = torch.zeros(total, dtype=torch.float32)
-    ref = torch.zeros(total, dtype=torch.float32) if loss_cfg.needs_reference else None
+    # reference log-probs travel when the loss needs them or every rollout has them (KL report)
+    with_ref = loss_cfg.needs_reference or all(r.ref_logprobs is not None for r in seqs)
+    ref = torch.zeros(total, dtype=torch.float32) if with_ref else None
     offsets = [0]
     for n in padded:
         offsets.append(offsets[-1] + n)

@@ -47,7 +47,10 @@ TARGETS (megatron-core >=0.16.0,<0.17)
     ``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving``
     (a guard, see NOT COVERED);
     ``megatron.core.models.common.language_module.language_module.LanguageModule.``
-    ``setup_embeddings_and_output_layer``.
+    ``setup_embeddings_and_output_layer``;
+    ``megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32`` (runs under a mode in
+    which ``Tensor.type()`` of a CPU float32 tensor reads ``'torch.cuda.FloatTensor'``: upstream
+    asserts that string before scaling).
 
 NOT COVERED
     ``tensor_parallel.broadcast_data`` (calls ``Tensor.cuda()``; feed batches directly on CPU),
@@ -89,6 +92,8 @@ TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq -> device
+    "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, found_inf buffers
+    "megatron.core.optimizer.clip_grads",  # grad-norm buffers
 )
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
 _CPU = torch.device("cpu")
@@ -215,6 +220,26 @@ def _make_setup_embeddings(original):
     return setup_embeddings_and_output_layer
 
 
+class _CpuFloatTypeReadsAsCuda(TorchFunctionMode):
+    """Inside this mode ``Tensor.type()`` (no argument) of a CPU float32 tensor reads
+    ``'torch.cuda.FloatTensor'``: ``clip_grad_by_total_norm_fp32`` asserts that type string
+    before it scales the gradients (the scaling itself runs on any device)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return "torch.cuda.FloatTensor" if name == "torch.FloatTensor" else name
+        return func(*args, **(kwargs or {}))
+
+
+def _make_clip_grads(original):
+    def clip_grad_by_total_norm_fp32(*args, **kwargs):
+        with _CpuFloatTypeReadsAsCuda():
+            return original(*args, **kwargs)
+
+    return clip_grad_by_total_norm_fp32
+
+
 def _make_interleaved_guard(original):
     """Refuse ``variable_seq_lengths`` in the interleaved schedule on gloo, with a clear error.
 
@@ -277,5 +302,7 @@ PATCH = Patch(
             "LanguageModule.setup_embeddings_and_output_layer",
             _make_setup_embeddings,
         ),
+        # optimizer.py imported the function by name: wrap the name it calls
+        Target("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _make_clip_grads),
     ),
 )

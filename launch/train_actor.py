@@ -1,0 +1,14 @@
+"""torchrun entry point: train a PPO/GRPO actor with megatron-core and megatron_pg_agg.
+
+    torchrun --nproc_per_node 2 launch/train_actor.py                  # built-in synthetic rollouts
+    torchrun --nproc_per_node 8 launch/train_actor.py --rollouts steps.jsonl \\
+        --tensor-model-parallel-size 2 --pg-loss-aggregation seq_mean ...
+
+Flags: ``python launch/train_actor.py --help``. The loop lives in megatron_pg_agg.trainer.
+"""
+import sys
+
+from megatron_pg_agg.trainer import main
+
+if __name__ == "__main__":
+    sys.exit(main())
