@@ -241,11 +241,12 @@ def save_checkpoint(directory: str, iteration: int, model, optimizer, rank: int,
 
 
 def load_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
+    """Restore this rank's state from the checkpoint ``latest`` names; {} when there is none."""
     import torch
 
     latest = os.path.join(directory, "latest")
     if not os.path.exists(latest):
-        raise FileNotFoundError(f"--load {directory}: no 'latest' file (no complete checkpoint)")
+        return {}
     iteration = int(open(latest).read().strip())
     path = os.path.join(directory, f"iter_{iteration:07d}", f"rank_{rank:05d}.pt")
     state = torch.load(path, map_location="cpu", weights_only=False)
@@ -400,7 +401,11 @@ def train(args) -> dict:
     state = RunState()
     if args.load:
         loaded = load_checkpoint(args.load, model, optimizer, rank)
-        state = RunState(iteration=loaded["iteration"], skipped=loaded.get("skipped", 0))
+        if loaded:
+            state = RunState(iteration=loaded["iteration"], skipped=loaded.get("skipped", 0))
+        elif rank == 0:
+            print(f"[train] --load {args.load}: no complete checkpoint yet (no 'latest'); starting "
+                  "from the initial weights", file=sys.stderr, flush=True)
     metrics_path = args.metrics_file or os.path.join(args.save or os.path.join("runs", "train_actor"), "metrics.jsonl")
     log = MetricsLog(metrics_path, args.tensorboard_dir, args.train_iters, enabled=rank == 0)
     if rank == 0:

@@ -1,0 +1,50 @@
+"""Start torchrun jobs (or any command) from tests: own session, bounded time, output kept."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+
+
+def start(cmd, *, env=None, cwd=ROOT) -> subprocess.Popen:
+    # own session: on a timeout the whole launch (torchrun and its workers) is killed
+    return subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float, what: str) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout_s}s; output:\n{out[-20000:]}")
+    return proc.returncode, out
+
+
+def run(cmd, timeout_s: float, what: str, *, env=None) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    rc, out = finish(start(cmd, env=env), timeout_s, what)
+    return rc, out, time.monotonic() - t0
+
+
+def torchrun(nproc: int, *args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]

@@ -1,0 +1,78 @@
+"""The main job: launch/train_actor.py under torchrun, start-up refusals, and two loopback nodes."""
+import json
+import sys
+
+import pytest
+
+from launching import ROOT, child_env, finish, free_port, run, start, torchrun
+
+TRAIN = ROOT / "launch" / "train_actor.py"
+MULTINODE = ROOT / "launch" / "multinode.sh"
+FIELDS = ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
+
+
+def _records(path):
+    lines = [json.loads(line) for line in open(path)]
+    return [r for r in lines if not r.get("final")], [r for r in lines if r.get("final")]
+
+
+def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rc, out, elapsed = run(torchrun(2, TRAIN, "--metrics-file", metrics), 300, "main job")
+    assert rc == 0, out[-20000:]
+    progress = [line for line in out.splitlines() if line.startswith("[train] [")]
+    assert len(progress) == 20, out[-5000:]
+    for line in progress:
+        for field in FIELDS:
+            assert f"{field}=" in line, (field, line)
+    steps, final = _records(metrics)
+    assert [r["iteration"] for r in steps] == list(range(1, 21))
+    for r in steps:
+        assert r["weight"] > 0 and 0 <= r["clip_fraction"] <= 1 and r["entropy"] > 0
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and not r["skipped"]
+    assert len(final) == 1 and final[0]["iteration"] == 20
+    # the actor learns: the first rollout step's objective drops between its first and last visit
+    first = [r["objective"] for r in steps if r["rollout_step"] == 0]
+    assert first[-1] < first[0]
+    print(f"main job: {elapsed:.1f}s")
+
+
+@pytest.mark.parametrize("argv,env,words", [
+    (["--pg-loss-aggregation", "constant"], {}, ["--pg-loss-aggregation-divisor"]),
+    (["--pg-loss-aggregation-divisor", "8"], {}, ["constant"]),
+    (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"}, ["not divisible", "TP x PP x CP"]),
+    (["--pipeline-model-parallel-size", "3"], {"WORLD_SIZE": "3"}, ["--num-layers 2", "not divisible"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--batch-p2p-comm"], {"WORLD_SIZE": "2"}, ["interleaved", "--batch-p2p-comm"]),
+    (["--no-calculate-per-token-loss"], {}, ["calculate_per_token_loss"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"}, ["Transformer Engine"]),
+    (["--rollouts", "/nonexistent/steps.jsonl"], {}, ["no such file"]),
+])
+def test_invalid_runs_are_refused_before_any_process_group(argv, env, words):
+    # no torchrun: if validation let this through, init_process_group would wait for peers
+    rc, out, _ = run([sys.executable, str(TRAIN), *argv], 60, "refused start", env=child_env(**env))
+    assert rc == 2, out[-5000:]
+    for word in words:
+        assert word in out, (word, out[-3000:])
+    assert "world=" not in out  # the run never started
+
+
+def test_two_loopback_nodes_train_like_one_node(tmp_path):
+    one = tmp_path / "one.jsonl"
+    rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", 6, "--metrics-file", one), 300, "one node")
+    assert rc == 0, out[-20000:]
+    port = free_port()
+    two = tmp_path / "two.jsonl"
+    nodes = []
+    for node_rank in (0, 1):
+        env = child_env(NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), NPROC_PER_NODE="1")
+        nodes.append(start(["bash", str(MULTINODE), "--train-iters", "6", "--metrics-file", two], env=env))
+    outputs = [finish(p, 300, f"node {i}") for i, p in enumerate(nodes)]
+    for rc, out in outputs:
+        assert rc == 0, out[-20000:]
+    assert "node 1/2" in outputs[1][1] and "world=2" in outputs[0][1]
+    a, fa = _records(one)
+    b, fb = _records(two)
+    assert [r["objective"] for r in a] == [r["objective"] for r in b]
+    assert fa[0]["param_checksum"] == fb[0]["param_checksum"]
