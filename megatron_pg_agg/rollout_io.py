@@ -1,0 +1,478 @@
+"""Rollout files: the on-disk format the training launcher reads, checked line by line on the host.
+
+Format
+------
+A rollout file is JSON Lines (UTF-8): one JSON object per line, one line per response. Blank
+lines are ignored; line numbers in errors count every physical line, starting at 1.
+
+===================  ========  ====================================================================
+field                required  value
+===================  ========  ====================================================================
+``step``             yes       integer >= 0: the optimizer step the response belongs to
+``group_id``         yes       string or integer: the prompt group; responses to one prompt share
+                               it, and a group id belongs to exactly one step
+``prompt_ids``       yes       non-empty array of integer token ids
+``response_ids``     yes       non-empty array of integer token ids
+``loss_mask``        yes       array of 0/1, one per response token: 1 = trained on
+``advantages``       yes       array of numbers, one per response token
+``old_logprobs``     yes       array of numbers, one per response token (behaviour policy)
+``ref_logprobs``     no        array of numbers, one per response token (reference policy), or null
+``numerator_mask``   no        array of 0/1, one per response token, 1 only where ``loss_mask`` is 1
+                               (0 filters a token out of the numerator only), or null
+===================  ========  ====================================================================
+
+Rules, and why:
+
+* any other field is an error, and so is a field given twice: a misspelt optional field
+  (``numerator_msk``) would otherwise be dropped silently and change the objective;
+* types are strict: token ids and mask entries are JSON integers, never ``true``/``false`` or
+  ``2.0``; ``step`` is an integer; ``group_id`` is a string or an integer (``1`` and ``"1"``
+  are different groups); token ids are never negative and, when the loader is given
+  ``vocab_size``, are below it;
+* every per-token array has exactly as many entries as ``response_ids``;
+* numbers may be any JSON number, including the ``NaN``/``Infinity``/``-Infinity`` tokens that
+  Python's ``json`` writes. A non-finite ``advantages``/``old_logprobs``/``ref_logprobs`` entry
+  is an error where ``loss_mask`` is 1 and is loaded as 0.0 where it is 0 (masked positions carry
+  no signal, but a NaN there would still poison gradients downstream);
+* a step whose responses have no valid token at all is allowed (it has weight 0);
+  a file with no rollouts at all is an error.
+
+Example line::
+
+    {"step": 0, "group_id": "q17", "prompt_ids": [1, 5, 9], "response_ids": [4, 2],
+     "loss_mask": [1, 1], "advantages": [0.5, 0.5], "old_logprobs": [-2.1, -0.3]}
+
+Errors are :class:`RolloutFormatError`, whose message starts with ``"{path}:{line}: field
+'{field}': "`` (``"{path}:{line}: "`` when no single field is at fault, ``"{path}: "`` for the
+file as a whole, ``"{path}: step {k}: "`` for :func:`write_rollouts`' input) and then says what
+is wrong and what was expected. Loading is all-or-nothing: the first bad line raises and nothing
+is returned.
+
+Every check happens here, on the host where the data is built, so the training hot path can trust
+the data. The checks run at C speed on valid data (set/min/max over each array) and only walk an
+array element by element to describe a fault.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Callable, NoReturn, Optional, Union
+
+from .planner import Rollout
+
+__all__ = ["RolloutFormatError", "load_rollouts", "write_rollouts"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+REQUIRED_FIELDS = ("step", "group_id", "prompt_ids", "response_ids", "loss_mask", "advantages", "old_logprobs")
+OPTIONAL_FIELDS = ("ref_logprobs", "numerator_mask")
+KNOWN_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
+_KNOWN_SET = frozenset(KNOWN_FIELDS)
+_INT = {int}
+_NUMBER = {int, float}
+_BITS = {0, 1}
+
+
+class RolloutFormatError(ValueError):
+    """A rollout file (or a step given to :func:`write_rollouts`) that breaks the format.
+
+    ``path`` is the file, ``line`` the 1-based line (None for file- and step-level errors),
+    ``field`` the offending field (None when no single field is at fault), ``step`` and
+    ``rollout`` locate step-level errors (the step key and the rollout's index in it).
+    """
+
+    def __init__(self, path, problem: str, *, line: Optional[int] = None, field: Optional[str] = None,
+                 step: Optional[int] = None, rollout: Optional[int] = None):
+        self.path = os.fspath(path)
+        self.line = line
+        self.field = field
+        self.step = step
+        self.rollout = rollout
+        self.problem = problem
+        parts = [self.path if line is None else f"{self.path}:{line}"]
+        if step is not None:
+            parts.append(f"step {step}")
+        if rollout is not None:
+            parts.append(f"rollout {rollout}")
+        if field is not None:
+            parts.append(f"field '{field}'")
+        super().__init__(": ".join(parts + [problem]))
+
+    def __reduce__(self):
+        # the default would call __init__(message) and fail: keep the exception picklable
+        # (launchers pass errors between processes)
+        return (_rebuild_error, (self.path, self.problem, self.line, self.field, self.step, self.rollout))
+
+
+def _rebuild_error(path, problem, line, field, step, rollout):
+    return RolloutFormatError(path, problem, line=line, field=field, step=step, rollout=rollout)
+
+
+Fail = Callable[..., NoReturn]  # fail(field, problem): raise a located RolloutFormatError
+
+
+# ----------------------------------------------------------------------------- describing values
+
+def _describe(value) -> str:
+    """``value`` as it appears in the file, with its JSON type, for error messages."""
+    kind = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number",
+            str: "a string", list: "an array", dict: "an object"}.get(type(value))
+    if kind is None:  # only write_rollouts sees non-JSON values
+        return f"{type(value).__name__} {value!r}"[:80]
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):  # a container holding non-JSON values (write_rollouts)
+        shown = repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return shown if kind == "null" else f"{shown} ({kind})"
+
+
+def _first(values: list, bad: Callable[[object], bool]) -> int:
+    """Index of the first bad element; only called once a fast check has found one."""
+    return next(j for j, v in enumerate(values) if bad(v))
+
+
+# ----------------------------------------------------------------------------- one record
+
+def _check_field_names(record: dict, fail: Fail, require_ref: bool) -> None:
+    """Unknown fields first (a typo explains a 'missing' field that follows), then missing ones."""
+    if not record.keys() <= _KNOWN_SET:
+        name = next(k for k in record if k not in _KNOWN_SET)
+        close = difflib.get_close_matches(str(name), KNOWN_FIELDS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        fail(name, f"unknown field; {hint}expected only {', '.join(KNOWN_FIELDS)}")
+    for name in REQUIRED_FIELDS:
+        if name not in record:
+            fail(name, "required field is missing")
+    if require_ref and record.get("ref_logprobs") is None:
+        fail("ref_logprobs", "is missing or null but require_ref=True: every response needs reference "
+                             "log-probs (an array of numbers, one per response token)")
+
+
+def _check_step(value, fail: Fail) -> int:
+    if type(value) is not int:
+        fail("step", f"is {_describe(value)}; expected an integer >= 0")
+    if value < 0:
+        fail("step", f"is {value}; expected an integer >= 0")
+    return value
+
+
+def _check_group_id(value, fail: Fail):
+    if type(value) not in (str, int):
+        fail("group_id", f"is {_describe(value)}; expected a string or an integer")
+    return value
+
+
+def _check_list(record: dict, name: str, what: str, fail: Fail) -> list:
+    value = record[name]
+    if type(value) is not list:
+        fail(name, f"is {_describe(value)}; expected an array of {what}")
+    return value
+
+
+def _check_length(name: str, values: list, n: int, fail: Fail) -> None:
+    if len(values) != n:
+        fail(name, f"has {len(values)} entries but response_ids has {n}; expected one per response token")
+
+
+def _check_token_ids(record: dict, name: str, vocab_size: Optional[int], fail: Fail) -> list:
+    ids = _check_list(record, name, "integer token ids", fail)
+    if not ids:
+        why = ("the first response token is predicted from the last prompt position"
+               if name == "prompt_ids" else "a response is trained on its tokens")
+        fail(name, f"is empty; expected at least one token ({why})")
+    if set(map(type, ids)) != _INT:
+        j = _first(ids, lambda t: type(t) is not int)
+        fail(name, f"{name}[{j}] is {_describe(ids[j])}; expected an integer token id")
+    if min(ids) < 0:
+        j = _first(ids, lambda t: t < 0)
+        fail(name, f"{name}[{j}] is {ids[j]}; expected a token id >= 0")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        j = _first(ids, lambda t: t >= vocab_size)
+        fail(name, f"{name}[{j}] is {ids[j]}, outside the vocabulary; expected a token id in [0, {vocab_size})")
+    return ids
+
+
+def _check_mask(record: dict, name: str, n: int, fail: Fail) -> list:
+    mask = _check_list(record, name, "0/1 flags", fail)
+    _check_length(name, mask, n, fail)
+    if set(map(type, mask)) != _INT:
+        j = _first(mask, lambda m: type(m) is not int)
+        fail(name, f"{name}[{j}] is {_describe(mask[j])}; expected the integer 0 or 1")
+    if not set(mask) <= _BITS:
+        j = _first(mask, lambda m: m not in _BITS)
+        fail(name, f"{name}[{j}] is {mask[j]}; expected 0 or 1")
+    return mask
+
+
+def _float_or_inf(v) -> float:
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def _to_floats(values: list) -> list:
+    """Floats of JSON numbers; an integer too large for a float becomes inf (then judged as such)."""
+    try:
+        return list(map(float, values))
+    except OverflowError:
+        return list(map(_float_or_inf, values))
+
+
+def _check_numbers(record: dict, name: str, loss_mask: list, fail: Fail) -> list:
+    """Per-token numbers as floats; non-finite is an error at valid positions, 0.0 elsewhere."""
+    values = _check_list(record, name, "numbers", fail)
+    _check_length(name, values, len(loss_mask), fail)
+    types = set(map(type, values))
+    if not types <= _NUMBER:
+        j = _first(values, lambda v: type(v) not in _NUMBER)
+        fail(name, f"{name}[{j}] is {_describe(values[j])}; expected a number")
+    floats = values if types == {float} else _to_floats(values)
+    if not all(map(math.isfinite, floats)):
+        floats = list(floats)
+        for j, (v, m) in enumerate(zip(floats, loss_mask)):
+            if not math.isfinite(v):
+                if m:
+                    shown = "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")  # JSON's spelling
+                    fail(name, f"{name}[{j}] is {shown} where loss_mask is 1; expected a finite number "
+                               "(non-finite values are only allowed, and loaded as 0.0, where loss_mask is 0)")
+                floats[j] = 0.0
+    return floats
+
+
+def _rollout_from_record(record: dict, fail: Fail, vocab_size: Optional[int], require_ref: bool):
+    """Check one record (a parsed line) and build its ``(step, Rollout)``; ``fail`` locates errors."""
+    _check_field_names(record, fail, require_ref)
+    step = _check_step(record["step"], fail)
+    group_id = _check_group_id(record["group_id"], fail)
+    prompt_ids = _check_token_ids(record, "prompt_ids", vocab_size, fail)
+    response_ids = _check_token_ids(record, "response_ids", vocab_size, fail)
+    n = len(response_ids)
+    loss_mask = _check_mask(record, "loss_mask", n, fail)
+    numerator_mask = None
+    if record.get("numerator_mask") is not None:
+        numerator_mask = _check_mask(record, "numerator_mask", n, fail)
+        if numerator_mask != loss_mask and any(map(int.__gt__, numerator_mask, loss_mask)):
+            j = _first(range(n), lambda k: numerator_mask[k] > loss_mask[k])
+            fail("numerator_mask", f"numerator_mask[{j}] is 1 where loss_mask is 0; expected 1 only "
+                                   "where loss_mask is 1 (the numerator is a subset of the valid tokens)")
+    advantages = _check_numbers(record, "advantages", loss_mask, fail)
+    old_logprobs = _check_numbers(record, "old_logprobs", loss_mask, fail)
+    ref_logprobs = None
+    if record.get("ref_logprobs") is not None:
+        ref_logprobs = _check_numbers(record, "ref_logprobs", loss_mask, fail)
+    return step, Rollout(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=loss_mask,
+                         advantages=advantages, old_logprobs=old_logprobs, group_id=group_id,
+                         ref_logprobs=ref_logprobs, numerator_mask=numerator_mask)
+
+
+# ----------------------------------------------------------------------------- reading
+
+class _DuplicateField(Exception):
+    def __init__(self, name):
+        self.name = name
+
+
+def _unique_fields(pairs: list) -> dict:
+    """json object hook: ``{"step": 0, "step": 1}`` would otherwise keep the last value silently."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen = set()
+        raise _DuplicateField(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return record
+
+
+def _parse_line(raw: bytes, path, lineno: int) -> dict:
+    """One non-blank line -> a JSON object, or an error naming the line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RolloutFormatError(path, f"is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                                       "expected a UTF-8 JSON object", line=lineno) from None
+    if lineno == 1:
+        text = text.lstrip("\ufeff")  # tolerate a byte-order mark
+    try:
+        record = json.loads(text, object_pairs_hook=_unique_fields)
+    except _DuplicateField as dup:
+        raise RolloutFormatError(path, "appears twice in the object; expected each field once",
+                                 line=lineno, field=dup.name) from None
+    except json.JSONDecodeError as exc:
+        raise RolloutFormatError(path, f"malformed JSON: {exc.msg} (column {exc.colno}); "
+                                       "expected one JSON object per line", line=lineno) from None
+    except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits
+        raise RolloutFormatError(path, f"malformed JSON: {exc}; expected one JSON object per line",
+                                 line=lineno) from None
+    if type(record) is not dict:
+        raise RolloutFormatError(path, f"is {_describe(record)}; expected a JSON object (one rollout per line)",
+                                 line=lineno)
+    return record
+
+
+def load_rollouts(path: PathLike, *, vocab_size: Optional[int] = None,
+                  require_ref: bool = False) -> dict:
+    """Read and check a rollout file (format in the module docstring).
+
+    Returns ``{step: [Rollout, ...]}`` with steps in ascending order and each step's rollouts in
+    file order (the planner regroups them). Per-token lists are plain Python lists: ints for ids
+    and masks, floats for the numbers. ``vocab_size`` bounds token ids; ``require_ref`` makes
+    ``ref_logprobs`` mandatory (a KL penalty needs it). Raises :class:`RolloutFormatError` at the
+    first bad line; nothing is returned then.
+    """
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise RolloutFormatError(path, f"cannot read the rollout file ({exc.strerror or exc}); "
+                                       "expected a readable JSON Lines file") from None
+    steps: dict = {}
+    group_home: dict = {}  # group_id -> (step, first line)
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.isspace():
+                continue
+            record = _parse_line(raw, path, lineno)
+
+            def fail(field, problem, _line=lineno):
+                raise RolloutFormatError(path, problem, line=_line, field=field)
+
+            step, rollout = _rollout_from_record(record, fail, vocab_size, require_ref)
+            home = group_home.setdefault(rollout.group_id, (step, lineno))
+            if home[0] != step:
+                fail("group_id", f"group {_describe(rollout.group_id)} is in step {step} here but in "
+                                 f"step {home[0]} at line {home[1]}; expected a prompt group in one step")
+            steps.setdefault(step, []).append(rollout)
+    if not steps:
+        raise RolloutFormatError(path, "has no rollouts (the file is empty or only blank lines); "
+                                       "expected one JSON object per line")
+    return {k: steps[k] for k in sorted(steps)}
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _as_list(values):
+    """Tensors and arrays become lists of Python scalars, other sequences lists (the format's
+    arrays); anything else is left for the checks to reject by name."""
+    if hasattr(values, "tolist"):
+        return values.tolist()
+    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        return list(values)
+    return values  # None, or something the checks will name
+
+
+def _record_of(step: int, r: Rollout) -> dict:
+    record = {
+        "step": step,
+        "group_id": r.group_id,
+        "prompt_ids": _as_list(r.prompt_ids),
+        "response_ids": _as_list(r.response_ids),
+        "loss_mask": _as_list(r.loss_mask),
+        "advantages": _as_list(r.advantages),
+        "old_logprobs": _as_list(r.old_logprobs),
+    }
+    for name in OPTIONAL_FIELDS:
+        if getattr(r, name) is not None:
+            record[name] = _as_list(getattr(r, name))
+    return record
+
+
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))  # strict JSON, compact
+
+
+def _checked_lines(path, steps: dict):
+    """Yield the JSON lines for ``steps``, each after the loader's own checks (so what is
+    written loads); a generator, so a large step is never held twice in memory."""
+    if not isinstance(steps, dict) or not steps:
+        raise RolloutFormatError(path, f"nothing to write: expected a non-empty dict {{step: [Rollout, ...]}}, "
+                                       f"got {_describe(steps)}")
+    group_home: dict = {}  # group_id -> (step, rollout index)
+    bad_keys = [k for k in steps if type(k) is not int or k < 0]
+    if bad_keys:
+        raise RolloutFormatError(path, f"step key {bad_keys[0]!r} is not an integer >= 0; expected one",
+                                 field="step")
+    for step in sorted(steps):
+        rollouts = steps[step]
+        if not isinstance(rollouts, (list, tuple)) or not rollouts:
+            raise RolloutFormatError(path, f"is {_describe(rollouts)}; expected a non-empty list of Rollout "
+                                           "(an empty step cannot be written: the file has no line for it)",
+                                     step=step)
+        for i, r in enumerate(rollouts):
+            def fail(field, problem, _step=step, _i=i):
+                raise RolloutFormatError(path, problem, step=_step, rollout=_i, field=field)
+
+            if not isinstance(r, Rollout):
+                fail(None, f"is {_describe(r)}; expected a Rollout")
+            record = _record_of(step, r)
+            _, checked = _rollout_from_record(record, fail, None, False)
+            home = group_home.setdefault(r.group_id, (step, i))
+            if home[0] != step:
+                fail("group_id", f"group {_describe(r.group_id)} is also in step {home[0]} (rollout "
+                                 f"{home[1]}); expected a prompt group in one step")
+            # write the loaded form: non-finite values at masked positions become 0.0, so the
+            # file is strict JSON and loads back to exactly what load_rollouts returns
+            for name in ("advantages", "old_logprobs", "ref_logprobs"):
+                if name in record:
+                    record[name] = getattr(checked, name)
+            yield _ENCODER.encode(record)
+
+
+def _open_temp_beside(path: str):
+    """A new file in ``path``'s directory (so os.replace is atomic), created with the usual
+    umask-derived permissions (mkstemp's 0600 would leak into the final file)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    while True:
+        temp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return temp, os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+
+
+def write_rollouts(path: PathLike, steps: dict) -> PathLike:
+    """Write ``{step: [Rollout, ...]}`` as a rollout file, atomically; returns ``path``.
+
+    Every rollout is checked with the loader's rules; a bad one raises a step-level
+    :class:`RolloutFormatError` (``"{path}: step {k}: rollout {i}: field '...': ..."``). Lines go
+    to a temporary file beside the target, moved over it with ``os.replace`` only once all are
+    written, so a reader never sees a half-written file and a failed write (bad input, full disk)
+    leaves the old file as it was and no temporary file behind.
+
+    ``load_rollouts(write_rollouts(p, steps))`` returns ``steps`` (steps sorted, sequences as
+    plain lists, numbers as floats, non-finite values at masked positions as 0.0).
+    """
+    lines = _checked_lines(path, steps)
+    temp, fd = _open_temp_beside(os.fspath(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            for line in lines:
+                f.write(line)
+                f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename durable (POSIX); platforms that cannot open a directory skip it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
