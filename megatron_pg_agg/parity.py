@@ -150,8 +150,12 @@ def _build(layout: ParityLayout, per_token: bool, *, per_token_loss: bool = True
     )
     torch.manual_seed(1234)
     if per_token:
-        return config, [PerTokenLM(config, VOCAB)]
-    return config, build_model_chunks(config, VOCAB, MAX_SEQ_LEN, share_embeddings_and_output_weights=False)
+        chunks = [PerTokenLM(config, VOCAB)]
+    else:
+        chunks = build_model_chunks(config, VOCAB, MAX_SEQ_LEN, share_embeddings_and_output_weights=False)
+    if torch.cuda.is_available():  # NCCL run on a GPU node: weights built on the CPU, then moved
+        chunks = [c.cuda() for c in chunks]
+    return config, chunks
 
 
 def _full_name(module, name: str) -> str:
@@ -184,7 +188,7 @@ def load_full_state(chunks, full_state: dict) -> None:
                     full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
                 if full.shape != param.shape:
                     raise RuntimeError(f"{name}: shard {tuple(full.shape)} != parameter {tuple(param.shape)}")
-                param.copy_(full)
+                param.copy_(full.to(param.device))
 
 
 def gather_full_grads(ddp_chunks) -> dict:
@@ -201,7 +205,7 @@ def gather_full_grads(ddp_chunks) -> dict:
                 parts = [torch.empty_like(grad) for _ in range(tp_size)]
                 torch.distributed.all_gather(parts, grad, group=tp_group)
                 grad = torch.cat(parts, dim=param.partition_dim)
-            out[_full_name(module, name)] = grad
+            out[_full_name(module, name)] = grad.cpu()
     return out
 
 
@@ -219,7 +223,9 @@ def reference(rollouts, mode: str, per_token: bool, full_state: Optional[dict] =
     model = chunks[0]
     if full_state is not None:
         load_full_state([model], full_state)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None and not k.endswith("_extra_state")}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    device = next(model.parameters()).device
     first_seen = {}
     for r in rollouts:
         first_seen.setdefault(r.group_id, len(first_seen))
@@ -238,8 +244,8 @@ def reference(rollouts, mode: str, per_token: bool, full_state: Optional[dict] =
     pg_rows, kl_rows, ent_rows = [], [], []
     for row, i in enumerate(order):
         r = rollouts[i]
-        ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)])
-        logits = model(ids, torch.arange(ids.shape[1])[None], None)[0].float()
+        ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)], device=device)
+        logits = model(ids, torch.arange(ids.shape[1], device=device)[None], None)[0].float().cpu()
         p, n = len(r.prompt_ids), len(r.response_ids)
         logp_all = torch.log_softmax(logits[p - 1:p + n - 1], -1)
         logp = logp_all.gather(-1, torch.tensor(list(r.response_ids))[:, None])[:, 0]
@@ -263,7 +269,7 @@ def reference(rollouts, mode: str, per_token: bool, full_state: Optional[dict] =
         objective = (objective + cfg.kl_coef * torch.where(den, torch.stack(kl_rows), 0.0).sum() / valid
                      - cfg.entropy_coef * torch.where(den, torch.stack(ent_rows), 0.0).sum() / valid)
     objective.backward()
-    grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+    grads = {name: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).cpu().clone()
              for name, p in model.named_parameters()}
     return float(objective), grads, state
 
@@ -328,7 +334,9 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
             mbs = [replace(mb, weights=_per_microbatch_weights(mb, rollouts, cfg, layout.cp)) for mb in mbs]
         for chunk in model:
             chunk.zero_grad_buffer()
-        forward_step = make_forward_step(cfg, plan.totals, tp_group=parallel_state.get_tensor_model_parallel_group())
+        device = torch.device("cuda") if torch.cuda.is_available() else None
+        forward_step = make_forward_step(cfg, plan.totals, device=device,
+                                         tp_group=parallel_state.get_tensor_model_parallel_group())
         iterators = [iter(mbs) for _ in model]
         t0 = time.perf_counter()
         store = get_forward_backward_func()(
@@ -341,11 +349,12 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
             forward_only=False,
         )
         step_s = time.perf_counter() - t0
-        pair = torch.zeros(2, dtype=torch.float64)
+        pair = torch.zeros(2, dtype=torch.float64, device=device)
         if last_stage:
             for report in store:
                 pair += report["objective"].double()
         dist.all_reduce(pair, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        pair = pair.cpu()
         grads = gather_full_grads(model) if keep else {}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (last_stage and keep, pair.tolist(), grads))
@@ -400,6 +409,8 @@ def worker_main(argv=None) -> int:
     from .parallel import init_distributed, init_parallel, teardown_parallel
 
     init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     layouts = [ParityLayout(**d) for d in json.loads(args.layouts_json)]
     rollouts = parity_rollouts()
     # The reference: the same on every rank (deterministic CPU init), then shared weights.
