@@ -164,6 +164,25 @@ def _check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
                 raise PlanError(f"rollout {i}: numerator_mask[{j}] is 1 where loss_mask is 0")
 
 
+def check_fits(rollouts: Sequence[Rollout], plan_cfg: PlanConfig, *, step=None) -> None:
+    """Raise PlanError naming the first rollout too long for one microbatch (attention needs a
+    sequence whole, so it can never be split to fit)."""
+    cap = plan_cfg.max_tokens_per_microbatch
+    if cap is None:
+        return
+    multiple = plan_cfg.pad_multiple
+    where = "" if step is None else f"step {step}, "
+    for i, r in enumerate(rollouts):
+        n = len(r.prompt_ids) + len(r.response_ids)
+        padded = -(-n // multiple) * multiple
+        if padded > cap:
+            raise PlanError(
+                f"{where}rollout {i} (group {r.group_id!r}): {n} tokens (prompt {len(r.prompt_ids)} + "
+                f"response {len(r.response_ids)}, padded to {padded}) do not fit a microbatch of "
+                f"max_tokens_per_microbatch={cap}; raise the capacity or drop the sequence"
+            )
+
+
 def _lpt_bins(lengths: list, num_bins: int) -> list:
     """Longest-first onto the lightest bin; ties broken by index, so the result is deterministic."""
     heap = [(0, b) for b in range(num_bins)]
@@ -198,6 +217,7 @@ def plan_step(
         _check_rollout(i, r, plan_cfg.vocab_size)
         if loss_cfg.needs_reference and r.ref_logprobs is None:
             raise PlanError(f"rollout {i}: ref_logprobs is missing but kl_coef > 0 needs it")
+    check_fits(rollouts, plan_cfg)
 
     # Canonical order: groups consecutive, in order of first appearance; stable inside a group.
     first_seen = {}
@@ -335,12 +355,6 @@ def _choose_microbatches(padded: list, cfg: PlanConfig) -> int:
     cap = cfg.max_tokens_per_microbatch
     if cap is None:
         return 1
-    longest = max(range(len(padded)), key=lambda i: padded[i])
-    if padded[longest] > cap:
-        raise PlanError(
-            f"sequence {longest} needs {padded[longest]} padded tokens but a microbatch holds at "
-            f"most max_tokens_per_microbatch={cap}"
-        )
     num_mb = max(1, -(-sum(padded) // (cfg.dp_size * cap)))
     while True:  # LPT may overflow a bin that a perfect packing would not: add microbatches
         bins = _lpt_bins(padded, cfg.dp_size * num_mb)

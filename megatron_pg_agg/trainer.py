@@ -189,9 +189,34 @@ def synthetic_rollouts(*, num_steps: int = 4, prompts_per_step: int = 6, group_s
 def load_steps(args) -> dict:
     if args.rollouts is None:
         return synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)
-    from .rollout_io import load_rollouts
+    from .rollout_io import RolloutFormatError, load_rollouts
 
-    return load_rollouts(args.rollouts, vocab_size=args.vocab_size, require_ref=args.pg_kl_coef > 0)
+    try:
+        return load_rollouts(args.rollouts, vocab_size=args.vocab_size, require_ref=args.pg_kl_coef > 0)
+    except RolloutFormatError as err:
+        raise StartupError(f"refusing to start: {err}") from err
+
+
+def _check_steps(steps: dict, args, world: int) -> None:
+    """Every step must be plannable before the first update: a step that would fail at iteration
+    k must not let iterations 0..k-1 train first."""
+    from .planner import PlanConfig, PlanError, check_fits
+
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    dp = world // (tp * pp * cp)
+    cfg = PlanConfig(dp_size=dp, max_tokens_per_microbatch=args.max_tokens_per_microbatch, tp_size=tp,
+                     sequence_parallel=args.sequence_parallel, cp_size=cp)
+    bins = dp * (args.num_microbatches or 2) if args.max_tokens_per_microbatch is None else dp
+    try:
+        for key, rollouts in steps.items():
+            if not rollouts:
+                raise PlanError(f"step {key} has no rollouts")
+            check_fits(rollouts, cfg, step=key)
+            if len(rollouts) < bins:
+                raise PlanError(f"step {key} has {len(rollouts)} responses, fewer than the {bins} "
+                                f"microbatches ({dp} DP ranks) it must fill")
+    except PlanError as err:
+        raise StartupError(f"refusing to start: {err}") from err
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -331,10 +356,28 @@ def _param_checksum(model) -> float:
     return float(total)
 
 
+def _die_with_launcher() -> None:
+    """Ask Linux to SIGTERM this worker when its parent (the torchrun agent) dies. torchrun starts
+    workers in their own sessions, so a killed agent would otherwise leave them running (and
+    holding GPUs) forever."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def train(args) -> dict:
     """Run the whole job; returns rank 0's last metrics record (empty dict elsewhere)."""
     import torch
     import torch.distributed as dist
+
+    _die_with_launcher()
 
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -344,6 +387,7 @@ def train(args) -> dict:
     validate_startup(args, world, backend=backend, te=te_usable())
     loss_cfg = config_from_args(args)
     steps = load_steps(args)  # rollouts are validated on the host before any process group
+    _check_steps(steps, args, world)
 
     from .parallel import init_distributed, init_parallel
 
@@ -516,4 +560,7 @@ def main(argv=None) -> int:
     except StartupError as err:
         print(f"[train] {err}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteStepError as err:
+        print(f"[train] stopped: {err}", file=sys.stderr, flush=True)
+        return 3
     return 0
