@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
+
+from _peak import extra_peak_bytes, in_child
 
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 DIVISOR = 2048.0
@@ -101,40 +100,16 @@ def time_it(fn, loss):
     return time.perf_counter() - start
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child_peak(impl: str, mode: str, tokens: int) -> int:
-    """In a fresh process: extra peak RSS (bytes) of one forward+backward over its inputs.
-
-    The inputs (and for the token form the step's TokenWeights) are built first; freed memory is
-    returned to the OS (malloc_trim) and the kernel's high-water mark is reset (clear_refs 5), so
-    the peak is what the forward+backward itself adds, gradient of the loss included.
-    """
-    import ctypes
-    import gc
-
+    """In a fresh process: extra peak RSS (bytes) of one forward+backward over its inputs (and,
+    for the token form, the step's TokenWeights), the loss gradient included."""
     step = make_step(tokens)
     fns, _ = runners(step, mode)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _rss("VmRSS")
-    fwd_bwd(fns[impl], step[0])
-    return _rss("VmHWM") - base
+    return extra_peak_bytes(lambda: fwd_bwd(fns[impl], step[0]))
 
 
 def measure_memory(impl, mode, tokens):
-    code = "import sys; sys.path.insert(0, %r); import bench_aggregation as b; print(b.child_peak(%r, %r, %d))" % (
-        os.path.dirname(os.path.abspath(__file__)), impl, mode, tokens)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return in_child("bench_aggregation", "child_peak", impl, mode, tokens)
 
 
 def main(argv=None):

@@ -112,9 +112,10 @@ def vocab_parallel_logprobs(
 
     ``logits`` ``[..., V / tp]`` holds this TP rank's contiguous vocabulary shard (Megatron's
     layout: rank r owns ids ``[r * V/tp, (r+1) * V/tp)``); ``target`` ``[...]`` holds global ids.
-    Computed in float32 with a detached max for stability; three small all-reduces over
-    ``tp_group`` (max, sum of exps, picked logit; one more for the entropy). The input is not
-    modified (megatron-core's vocab_parallel_cross_entropy works in place on fp32 logits).
+    Computed in float32 with a detached max for stability; two small all-reduces over
+    ``tp_group`` per call (the max, then the stacked sums), with or without the entropy. The
+    input is not modified (megatron-core's vocab_parallel_cross_entropy works in place on fp32
+    logits).
     """
     world = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
     rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
@@ -126,21 +127,26 @@ def vocab_parallel_logprobs(
             torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
     shifted = logits - row_max.unsqueeze(-1)
     exps = shifted.exp()
-    z = _tp_sum(exps.sum(dim=-1), tp_group, world)
-    log_z = torch.log(z)
     local = target - rank * shard
     in_shard = (local >= 0) & (local < shard)
     picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
-    picked = _tp_sum(torch.where(in_shard, picked, 0.0), tp_group, world)
-    logprobs = picked - log_z
+    # Every quantity below is a sum over the vocabulary of purely local terms, so ONE all-reduce
+    # of the stacked partial sums gives them all (two TP collectives per microbatch in all, one
+    # fewer than megatron-core's vocab_parallel_cross_entropy), and the identity backward of that
+    # all-reduce is exact. Entropy: H = log Z - sum_v e^{x_v} x_v / Z. (Writing it as
+    # log Z - sum_v p_v x_v with p_v = e^{x_v} / Z would put Z inside each rank's local term, and
+    # each rank's backward would miss the other shards' dependence on Z: the parity suite caught
+    # that.)
+    partial = [exps.sum(dim=-1), torch.where(in_shard, picked, 0.0)]
+    if with_entropy:
+        partial.append((exps * shifted).sum(dim=-1))
+    sums = _tp_sum(torch.stack(partial, dim=-1), tp_group, world)
+    z = sums[..., 0]
+    log_z = torch.log(z)
+    logprobs = sums[..., 1] - log_z
     if not with_entropy:
         return logprobs, None
-    # H = log Z - sum_v e^{x_v} x_v / Z. Both sums are reduced from purely local terms, so the
-    # identity backward of the all-reduce is exact. (Writing H = log Z - sum_v p_v x_v with
-    # p_v = e^{x_v} / Z would put Z inside each rank's local term, and each rank's backward
-    # would miss the other shards' dependence on Z: the parity suite caught that.)
-    weighted = _tp_sum((exps * shifted).sum(dim=-1), tp_group, world)
-    entropy = log_z - weighted / z
+    entropy = log_z - sums[..., 2] / z
     return logprobs, entropy
 
 

@@ -28,31 +28,9 @@ from typing import Optional, Sequence
 import torch
 
 from .aggregation import TokenWeights, token_weights
-from .context_parallel import cp_partition_index
 from .losses import StepTotals
 from .modes import resolve_mode
-
-
-@dataclass
-class Rollout:
-    """One response to one prompt, as produced by the rollout engine."""
-
-    prompt_ids: Sequence[int]
-    """Prompt token ids."""
-    response_ids: Sequence[int]
-    """Response token ids (at least one)."""
-    loss_mask: Sequence[int]
-    """Per response token: 1 if the token is trained on (the denominator mask d)."""
-    advantages: Sequence[float]
-    """Per response token advantage."""
-    old_logprobs: Sequence[float]
-    """Per response token log-prob under the behaviour policy."""
-    group_id: object
-    """Prompt-group identifier: responses to the same prompt share it."""
-    ref_logprobs: Optional[Sequence[float]] = None
-    """Per response token log-prob under the reference policy (needed for a KL penalty)."""
-    numerator_mask: Optional[Sequence[int]] = None
-    """Per response token: 0 removes a token from the numerator only (filtering); None = loss_mask."""
+from .rollouts import PlanError, Rollout, RolloutBatch, check_rollout  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -130,40 +108,6 @@ class PlanConfig:
         return tp * cp // math.gcd(tp, cp)
 
 
-class PlanError(ValueError):
-    """A step that cannot be planned; the message names the rollout and field."""
-
-
-def _check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
-    resp = len(r.response_ids)
-    if resp == 0:
-        raise PlanError(f"rollout {i}: response_ids is empty (a response needs at least one token)")
-    for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "numerator_mask"):
-        values = getattr(r, name)
-        if values is not None and len(values) != resp:
-            raise PlanError(
-                f"rollout {i}: {name} has {len(values)} entries but response_ids has {resp}"
-            )
-    if len(r.prompt_ids) == 0:
-        raise PlanError(f"rollout {i}: prompt_ids is empty (the first response token needs a prompt position)")
-    if vocab_size is not None:
-        for name in ("prompt_ids", "response_ids"):
-            for j, tok in enumerate(getattr(r, name)):
-                if not 0 <= tok < vocab_size:
-                    raise PlanError(f"rollout {i}: {name}[{j}]={tok} is outside the vocabulary [0, {vocab_size})")
-    for j, (m, a, lp) in enumerate(zip(r.loss_mask, r.advantages, r.old_logprobs)):
-        if m not in (0, 1, True, False):
-            raise PlanError(f"rollout {i}: loss_mask[{j}]={m!r} must be 0 or 1")
-        if m and not (math.isfinite(a) and math.isfinite(lp)):
-            raise PlanError(f"rollout {i}: non-finite advantages/old_logprobs at valid position {j}")
-        if m and r.ref_logprobs is not None and not math.isfinite(r.ref_logprobs[j]):
-            raise PlanError(f"rollout {i}: non-finite ref_logprobs at valid position {j}")
-    if r.numerator_mask is not None:
-        for j, (n, m) in enumerate(zip(r.numerator_mask, r.loss_mask)):
-            if n and not m:
-                raise PlanError(f"rollout {i}: numerator_mask[{j}] is 1 where loss_mask is 0")
-
-
 def check_fits(rollouts: Sequence[Rollout], plan_cfg: PlanConfig, *, step=None) -> None:
     """Raise PlanError naming the first rollout too long for one microbatch (attention needs a
     sequence whole, so it can never be split to fit)."""
@@ -194,149 +138,190 @@ def _lpt_bins(lengths: list, num_bins: int) -> list:
     return [sorted(b) for b in bins]
 
 
+def _gather_or_zero(values: Optional[torch.Tensor], index: torch.Tensor, keep: torch.Tensor):
+    """``values[index]`` where ``keep``, else 0 (index is clamped: masked positions read nothing
+    meaningful, and a NaN there would poison the gradient of exp() in the loss)."""
+    if values is None:
+        return None
+    if values.numel() == 0:
+        return torch.zeros(index.shape, dtype=values.dtype)
+    picked = values[index.clamp(0, values.numel() - 1)]
+    return torch.where(keep, picked, torch.zeros((), dtype=values.dtype))
+
+
+def _canonical_order(group_index: torch.Tensor):
+    """Rollout order with groups consecutive (in order of first appearance, stable inside a group),
+    and the group sizes in that order."""
+    n = group_index.numel()
+    uniq, inverse = torch.unique(group_index, return_inverse=True)
+    first = torch.full((uniq.numel(),), n, dtype=torch.long).scatter_reduce_(
+        0, inverse, torch.arange(n), reduce="amin")
+    order = torch.argsort(first[inverse] * n + torch.arange(n))
+    sizes = torch.bincount(inverse, minlength=uniq.numel())[torch.argsort(first)]
+    return order, sizes.tolist()
+
+
+def _cp_index(padded: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """Positions CP rank ``cp_rank`` keeps in a packed run of sequences with ``padded`` lengths
+    (chunks r and 2cp-1-r of each): the vectorised form of context_parallel.cp_partition_index."""
+    chunk = padded // (2 * cp)
+    starts = torch.zeros_like(padded)
+    starts[1:] = torch.cumsum(padded, 0)[:-1]
+    firsts = torch.stack([starts + cp_rank * chunk, starts + (2 * cp - 1 - cp_rank) * chunk], 1).reshape(-1)
+    lengths = chunk.repeat_interleave(2)
+    total = int(lengths.sum())
+    base = torch.repeat_interleave(firsts, lengths, output_size=total)
+    offsets = torch.zeros_like(lengths)
+    offsets[1:] = torch.cumsum(lengths, 0)[:-1]
+    return base + torch.arange(total) - torch.repeat_interleave(offsets, lengths, output_size=total)
+
+
 def plan_step(
-    rollouts: Sequence[Rollout],
+    rollouts,
     loss_cfg,
     plan_cfg: PlanConfig,
     *,
     cp_rank: int = 0,
-    assignment: Optional[list] = None,
 ) -> StepPlan:
     """Plan one optimizer step (see the module docstring).
 
-    ``loss_cfg`` is a :class:`~megatron_pg_agg.losses.PGLossConfig` (mode, divisor, whether
-    reference log-probs are needed). ``assignment`` optionally fixes the bins: a list of
-    ``dp_size * num_microbatches`` lists of rollout indices (canonical order), bin
-    ``b`` -> DP rank ``b % dp_size``, microbatch ``b // dp_size`` (tests use it to force a group
-    across microbatches or ranks).
+    ``rollouts`` is a list of :class:`Rollout` or a :class:`RolloutBatch` (the fast path for big
+    steps); ``loss_cfg`` a :class:`~megatron_pg_agg.losses.PGLossConfig` (mode, divisor, whether
+    reference log-probs are needed). Microbatch ``m`` of DP rank ``r`` is bin ``m * dp + r``.
     """
-    if not rollouts:
-        raise PlanError("the step has no rollouts")
     mode, divisor = resolve_mode(loss_cfg.mode, loss_cfg.divisor)
-    for i, r in enumerate(rollouts):
-        _check_rollout(i, r, plan_cfg.vocab_size)
-        if loss_cfg.needs_reference and r.ref_logprobs is None:
-            raise PlanError(f"rollout {i}: ref_logprobs is missing but kl_coef > 0 needs it")
-    check_fits(rollouts, plan_cfg)
-
-    # Canonical order: groups consecutive, in order of first appearance; stable inside a group.
-    first_seen = {}
-    for i, r in enumerate(rollouts):
-        first_seen.setdefault(r.group_id, len(first_seen))
-    order = sorted(range(len(rollouts)), key=lambda i: (first_seen[rollouts[i].group_id], i))
-    seqs = [rollouts[i] for i in order]
-    group_sizes = []
-    for i, r in enumerate(seqs):
-        if i and r.group_id == seqs[i - 1].group_id:
-            group_sizes[-1] += 1
-        else:
-            group_sizes.append(1)
-
-    multiple = plan_cfg.pad_multiple
-    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in seqs]
-    padded = [-(-n // multiple) * multiple for n in lengths]
-    total = sum(padded)
-
-    # Per-token host tensors of the whole step, canonical order, padded layout.
-    tokens = torch.zeros(total, dtype=torch.long)
-    labels = torch.zeros(total, dtype=torch.long)
-    position_ids = torch.zeros(total, dtype=torch.long)
-    den = torch.zeros(total, dtype=torch.bool)
-    num = torch.zeros(total, dtype=torch.bool)
-    adv = torch.zeros(total, dtype=torch.float32)
-    old = torch.zeros(total, dtype=torch.float32)
-    # reference log-probs travel when the loss needs them or every rollout has them (KL report)
-    with_ref = loss_cfg.needs_reference or all(r.ref_logprobs is not None for r in seqs)
-    ref = torch.zeros(total, dtype=torch.float32) if with_ref else None
-    offsets = [0]
-    for n in padded:
-        offsets.append(offsets[-1] + n)
-    for s, r in enumerate(seqs):
-        start, p, n = offsets[s], len(r.prompt_ids), lengths[s]
-        ids = torch.tensor(list(r.prompt_ids) + list(r.response_ids), dtype=torch.long)
-        tokens[start:start + n] = ids
-        labels[start:start + n - 1] = ids[1:]
-        position_ids[start:start + padded[s]] = torch.arange(padded[s])
-        scored = slice(start + p - 1, start + n - 1)
-        d = torch.tensor(list(r.loss_mask), dtype=torch.bool)
-        den[scored] = d
-        num[scored] = d & torch.tensor(list(r.numerator_mask), dtype=torch.bool) if r.numerator_mask is not None else d
-        # masked positions stay 0: a NaN there would poison the gradient of exp() in the loss
-        adv[scored] = torch.where(d, torch.tensor(list(r.advantages), dtype=torch.float32), 0.0)
-        old[scored] = torch.where(d, torch.tensor(list(r.old_logprobs), dtype=torch.float32), 0.0)
-        if ref is not None:
-            ref[scored] = torch.where(d, torch.tensor(list(r.ref_logprobs), dtype=torch.float32), 0.0)
-
-    cu_padded = torch.tensor(offsets, dtype=torch.int64)
-    weights = token_weights(num, mode=mode, divisor=divisor, cu_seqlens=cu_padded,
-                            group_sizes=group_sizes, denominator_mask=den)
-    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den.sum()))
-    # one all-zero row at index ``total``: the target of uniform-length padding
-    tokens, labels, position_ids, num, den, adv, old = (
-        torch.cat([t, t.new_zeros(1)]) for t in (tokens, labels, position_ids, num, den, adv, old))
-    ref = None if ref is None else torch.cat([ref, ref.new_zeros(1)])
-    weights = TokenWeights.cat([weights, TokenWeights(weights.coef.new_zeros(1), weights.count.new_zeros(1), weights.mode)])
-
-    dp = plan_cfg.dp_size
-    if assignment is not None:
-        bins = [sorted(b) for b in assignment]
-        if len(bins) % dp:
-            raise PlanError(f"assignment has {len(bins)} bins, not a multiple of dp_size={dp}")
-        placed = sorted(i for b in bins for i in b)
-        if placed != list(range(len(seqs))):
-            raise PlanError("assignment must place every sequence exactly once")
-        num_mb = len(bins) // dp
+    if isinstance(rollouts, RolloutBatch):
+        batch = rollouts
+        batch.validate(vocab_size=plan_cfg.vocab_size)
     else:
-        num_mb = _choose_microbatches(padded, plan_cfg)
-        bins = _lpt_bins(padded, dp * num_mb)
-    empty = [b for b, members in enumerate(bins) if not members]
+        if not rollouts:
+            raise PlanError("the step has no rollouts")
+        batch = RolloutBatch.from_rollouts(rollouts, vocab_size=plan_cfg.vocab_size)
+    if loss_cfg.needs_reference and batch.ref_logprobs is None:
+        raise PlanError("ref_logprobs is missing (on at least one rollout) but kl_coef > 0 needs it")
+    num_seqs = len(batch)
+
+    # 2. canonical order and padding
+    order, group_sizes = _canonical_order(batch.group_index)
+    multiple = plan_cfg.pad_multiple
+    prompt = batch.prompt_lengths[order]
+    length = prompt + batch.response_lengths[order]
+    padded = (length + multiple - 1) // multiple * multiple
+    cap = plan_cfg.max_tokens_per_microbatch
+    if cap is not None and bool((padded > cap).any()):
+        k = int((padded > cap).int().argmax())
+        i = int(order[k])
+        label = batch.group_labels[int(batch.group_index[i])] if batch.group_labels else int(batch.group_index[i])
+        raise PlanError(
+            f"rollout {i} (group {label!r}): {int(length[k])} tokens (prompt {int(prompt[k])} + response "
+            f"{int(length[k] - prompt[k])}, padded to {int(padded[k])}) do not fit a microbatch of "
+            f"max_tokens_per_microbatch={cap}; raise the capacity or drop the sequence")
+    offsets = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(padded, 0, out=offsets[1:])
+    total = int(offsets[-1])
+
+    # per-token host tensors of the whole step, canonical order, padded layout (vectorised)
+    seq = torch.repeat_interleave(torch.arange(num_seqs), padded, output_size=total)
+    pos = torch.arange(total) - offsets[seq]
+    p_tok, l_tok = prompt[seq], length[seq]
+    p_start = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(batch.prompt_lengths, 0, out=p_start[1:])
+    r_start = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(batch.response_lengths, 0, out=r_start[1:])
+    p_first, r_first = p_start[order][seq], r_start[order][seq]
+    in_prompt = pos < p_tok
+    in_resp = ~in_prompt & (pos < l_tok)
+    tokens = torch.where(in_prompt, _gather_or_zero(batch.prompt_tokens, p_first + pos, in_prompt),
+                         _gather_or_zero(batch.response_tokens, r_first + pos - p_tok, in_resp))
+    labels = torch.zeros_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels = torch.where(pos + 1 < l_tok, labels, 0)
+    scored = (pos >= p_tok - 1) & (pos < l_tok - 1)
+    r_index = r_first + pos - p_tok + 1
+    den = _gather_or_zero(batch.loss_mask, r_index, scored)
+    num = den if batch.numerator_mask is None else _gather_or_zero(batch.numerator_mask, r_index, scored)
+    fields_ = {
+        "tokens": tokens, "labels": labels, "position_ids": pos,
+        "numerator_mask": num, "denominator_mask": den,
+        "advantages": _gather_or_zero(batch.advantages, r_index, den),
+        "old_logprobs": _gather_or_zero(batch.old_logprobs, r_index, den),
+        "ref_logprobs": _gather_or_zero(batch.ref_logprobs, r_index, den),
+    }
+
+    # 3. token weights ONCE for the whole step, before any split
+    weights = token_weights(num, mode=mode, divisor=divisor, cu_seqlens=offsets, group_sizes=group_sizes,
+                            denominator_mask=den, validate=False)
+    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den.sum()))
+
+    # 4. whole sequences onto token-balanced bins; bin b -> DP rank b % dp, microbatch b // dp
+    dp = plan_cfg.dp_size
+    padded_list = padded.tolist()
+    num_mb = _choose_microbatches(padded_list, plan_cfg)
+    bins = _lpt_bins(padded_list, dp * num_mb)
+    empty = sum(1 for members in bins if not members)
     if empty:
         raise PlanError(
-            f"{len(seqs)} sequences cannot fill {dp} DP ranks x {num_mb} microbatches: "
-            f"{len(empty)} microbatches would be empty; use fewer microbatches or a larger step"
-        )
+            f"{num_seqs} sequences cannot fill {dp} DP ranks x {num_mb} microbatches: {empty} "
+            "microbatches would be empty; use fewer microbatches or a larger step")
 
+    # 5. one gather puts every bin's tokens contiguous; microbatches are slices of it
+    perm = torch.tensor([s for members in bins for s in members], dtype=torch.long)
+    perm_padded = padded[perm]
+    perm_starts = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(perm_padded, 0, out=perm_starts[1:])
+    within = torch.arange(total) - torch.repeat_interleave(perm_starts[:-1], perm_padded, output_size=total)
+    token_perm = torch.repeat_interleave(offsets[perm], perm_padded, output_size=total) + within
     cp = plan_cfg.cp_size
-    uniform = max(sum(padded[s] for s in members) for members in bins)
+    if cp > 1:
+        token_perm = token_perm[_cp_index(perm_padded, cp, cp_rank)]
+    permuted = {k: (None if v is None else v[token_perm]) for k, v in fields_.items()}
+    permuted_weights = weights[token_perm]
+    uniform = max(sum(padded_list[s] for s in members) for members in bins)
+
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
+    start = 0
     for b, members in enumerate(bins):
         rank, mb = b % dp, b // dp
-        index = torch.cat([torch.arange(offsets[s], offsets[s + 1]) for s in members])
-        seq_padded = [padded[s] for s in members]
-        if plan_cfg.uniform_microbatch_tokens and sum(seq_padded) < uniform:
-            # extend the last sequence's padding with positions that score nothing (index
-            # ``total`` points at an all-zero row appended to every per-token tensor below)
-            extra = uniform - sum(seq_padded)
+        seq_padded = [padded_list[s] for s in members]
+        seq_real = [int(length[s]) for s in members]
+        size = sum(seq_padded)
+        part = slice(start // cp, (start + size) // cp)
+        start += size
+        bin_tokens[rank][mb] = size
+        extra = uniform - size if plan_cfg.uniform_microbatch_tokens else 0
+        if extra and cp > 1:
+            raise PlanError("uniform_microbatch_tokens with cp_size > 1 is not supported: the extra "
+                            "padding would not follow the CP chunk layout")
+        if extra:  # the last sequence's padding grows; the extra positions score nothing
             seq_padded[-1] += extra
-            index = torch.cat([index, torch.full((extra,), total, dtype=torch.long)])
-        cu_p = torch.tensor([0, *torch.tensor(seq_padded).cumsum(0).tolist()], dtype=torch.int32)
-        real = [lengths[s] for s in members]
-        cu_r = torch.tensor([0, *torch.tensor(real).cumsum(0).tolist()], dtype=torch.int32)
-        bin_tokens[rank][mb] = int(cu_p[-1])
-        if cp > 1:
-            index = index[cp_partition_index(seq_padded, cp, cp_rank)]
+        cut = {k: (None if v is None else v[part]) for k, v in permuted.items()}
+        w = permuted_weights[part]
+        if extra:
+            pad = extra // cp
+            cut = {k: (None if v is None else torch.cat([v, v.new_zeros(pad)])) for k, v in cut.items()}
+            w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(pad), w.count.new_zeros(pad), w.mode)])
         microbatches[rank][mb] = Microbatch(
-            tokens=tokens[index].unsqueeze(0),
-            labels=labels[index].unsqueeze(0),
-            position_ids=position_ids[index].unsqueeze(0),
-            numerator_mask=num[index],
-            denominator_mask=den[index],
-            advantages=adv[index],
-            old_logprobs=old[index],
-            ref_logprobs=None if ref is None else ref[index],
-            weights=weights[index],
-            cu_seqlens=cu_r,
-            cu_seqlens_padded=cu_p,
+            tokens=cut["tokens"].unsqueeze(0),
+            labels=cut["labels"].unsqueeze(0),
+            position_ids=cut["position_ids"].unsqueeze(0),
+            numerator_mask=cut["numerator_mask"],
+            denominator_mask=cut["denominator_mask"],
+            advantages=cut["advantages"],
+            old_logprobs=cut["old_logprobs"],
+            ref_logprobs=cut["ref_logprobs"],
+            weights=w,
+            cu_seqlens=torch.tensor([0, *_running(seq_real)], dtype=torch.int32),
+            cu_seqlens_padded=torch.tensor([0, *_running(seq_padded)], dtype=torch.int32),
             max_seqlen=max(seq_padded),
-            sequence_ids=[order[s] for s in members],
+            sequence_ids=order[torch.tensor(members)].tolist(),
         )
     flat = [t for row in bin_tokens for t in row]
     per_rank = [sum(row) for row in bin_tokens]
     stats = {
-        "sequences": len(seqs),
+        "sequences": num_seqs,
         "groups": len(group_sizes),
-        "tokens": sum(lengths),
+        "tokens": int(length.sum()),
         "padded_tokens": total,
         "microbatches_per_rank": num_mb,
         "microbatch_balance": max(flat) / (sum(flat) / len(flat)),
@@ -345,6 +330,14 @@ def plan_step(
         "valid_tokens": totals.valid_tokens,
     }
     return StepPlan(microbatches, totals, group_sizes, bin_tokens, stats)
+
+
+def _running(values: list) -> list:
+    out, acc = [], 0
+    for v in values:
+        acc += v
+        out.append(acc)
+    return out
 
 
 def _choose_microbatches(padded: list, cfg: PlanConfig) -> int:
