@@ -114,16 +114,25 @@ def _inverse(denominators: torch.Tensor) -> torch.Tensor:
     )
 
 
+def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``[total]``: for each position, the index of the segment ``[offsets[k], offsets[k+1])``
+    holding it (``offsets`` starts at 0 and ends at ``total``; empty segments allowed).
+
+    Same result as ``repeat_interleave(arange(K), diff(offsets), output_size=total)``, but a
+    scatter of segment starts and an int32 running sum is several times faster on CPU, and, like
+    it, needs no device data on the host (the shape is ``total``)."""
+    marks = torch.zeros(total + 1, dtype=torch.int32, device=offsets.device)
+    starts = offsets[1:-1]
+    marks.index_put_((starts,), torch.ones_like(starts, dtype=torch.int32), accumulate=True)
+    return torch.cumsum(marks[:total], 0, dtype=torch.int32).long()
+
+
 def _unit_coef_and_first(d: torch.Tensor, prefix: torch.Tensor, unit_cu: torch.Tensor):
     """For units bounded by token offsets ``unit_cu``: per token 1/D_u (0 if inactive) and a flag
-    on the first denominator-valid token of each unit. ``repeat_interleave`` gets
-    ``output_size`` so the shape is known without reading device data."""
+    on the first denominator-valid token of each unit."""
     start_count = prefix[unit_cu[:-1]]
     inv = _inverse(prefix[unit_cu[1:]] - start_count)
-    unit_of_token = torch.repeat_interleave(
-        torch.arange(unit_cu.numel() - 1, device=d.device), unit_cu[1:] - unit_cu[:-1],
-        output_size=d.numel(),
-    )
+    unit_of_token = segment_ids(unit_cu, d.numel())
     first = d & (prefix[:-1] == start_count[unit_of_token])
     return inv[unit_of_token], first
 

@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .aggregation import TokenWeights, token_weights
+from .aggregation import TokenWeights, segment_ids, token_weights
 from .losses import StepTotals
 from .modes import resolve_mode
-from .rollouts import PlanError, Rollout, RolloutBatch, check_rollout  # noqa: F401  (re-exported)
+from .rollouts import PlanError, Rollout, RolloutBatch, _exclusive_cumsum, check_rollout  # noqa: F401
 
 
 @dataclass
@@ -138,17 +138,6 @@ def _lpt_bins(lengths: list, num_bins: int) -> list:
     return [sorted(b) for b in bins]
 
 
-def _gather_or_zero(values: Optional[torch.Tensor], index: torch.Tensor, keep: torch.Tensor):
-    """``values[index]`` where ``keep``, else 0 (index is clamped: masked positions read nothing
-    meaningful, and a NaN there would poison the gradient of exp() in the loss)."""
-    if values is None:
-        return None
-    if values.numel() == 0:
-        return torch.zeros(index.shape, dtype=values.dtype)
-    picked = values[index.clamp(0, values.numel() - 1)]
-    return torch.where(keep, picked, torch.zeros((), dtype=values.dtype))
-
-
 def _canonical_order(group_index: torch.Tensor):
     """Rollout order with groups consecutive (in order of first appearance, stable inside a group),
     and the group sizes in that order."""
@@ -201,91 +190,115 @@ def plan_step(
         raise PlanError("ref_logprobs is missing (on at least one rollout) but kl_coef > 0 needs it")
     num_seqs = len(batch)
 
-    # 2. canonical order and padding
+    # 2. canonical order (groups consecutive) and padding
     order, group_sizes = _canonical_order(batch.group_index)
     multiple = plan_cfg.pad_multiple
-    prompt = batch.prompt_lengths[order]
-    length = prompt + batch.response_lengths[order]
+    prompt_len, resp_len = batch.prompt_lengths, batch.response_lengths  # original order
+    length = prompt_len + resp_len
     padded = (length + multiple - 1) // multiple * multiple
     cap = plan_cfg.max_tokens_per_microbatch
     if cap is not None and bool((padded > cap).any()):
-        k = int((padded > cap).int().argmax())
-        i = int(order[k])
+        i = int((padded > cap).int().argmax())
         label = batch.group_labels[int(batch.group_index[i])] if batch.group_labels else int(batch.group_index[i])
         raise PlanError(
-            f"rollout {i} (group {label!r}): {int(length[k])} tokens (prompt {int(prompt[k])} + response "
-            f"{int(length[k] - prompt[k])}, padded to {int(padded[k])}) do not fit a microbatch of "
+            f"rollout {i} (group {label!r}): {int(length[i])} tokens (prompt {int(prompt_len[i])} + response "
+            f"{int(resp_len[i])}, padded to {int(padded[i])}) do not fit a microbatch of "
             f"max_tokens_per_microbatch={cap}; raise the capacity or drop the sequence")
-    offsets = torch.zeros(num_seqs + 1, dtype=torch.long)
-    torch.cumsum(padded, 0, out=offsets[1:])
-    total = int(offsets[-1])
+    p_start, r_start = _exclusive_cumsum(prompt_len), _exclusive_cumsum(resp_len)
 
-    # per-token host tensors of the whole step, canonical order, padded layout (vectorised)
-    seq = torch.repeat_interleave(torch.arange(num_seqs), padded, output_size=total)
-    pos = torch.arange(total) - offsets[seq]
-    p_tok, l_tok = prompt[seq], length[seq]
-    p_start = torch.zeros(num_seqs + 1, dtype=torch.long)
-    torch.cumsum(batch.prompt_lengths, 0, out=p_start[1:])
-    r_start = torch.zeros(num_seqs + 1, dtype=torch.long)
-    torch.cumsum(batch.response_lengths, 0, out=r_start[1:])
-    p_first, r_first = p_start[order][seq], r_start[order][seq]
-    in_prompt = pos < p_tok
-    in_resp = ~in_prompt & (pos < l_tok)
-    tokens = torch.where(in_prompt, _gather_or_zero(batch.prompt_tokens, p_first + pos, in_prompt),
-                         _gather_or_zero(batch.response_tokens, r_first + pos - p_tok, in_resp))
-    labels = torch.zeros_like(tokens)
-    labels[:-1] = tokens[1:]
-    labels = torch.where(pos + 1 < l_tok, labels, 0)
-    scored = (pos >= p_tok - 1) & (pos < l_tok - 1)
-    r_index = r_first + pos - p_tok + 1
-    den = _gather_or_zero(batch.loss_mask, r_index, scored)
-    num = den if batch.numerator_mask is None else _gather_or_zero(batch.numerator_mask, r_index, scored)
-    fields_ = {
-        "tokens": tokens, "labels": labels, "position_ids": pos,
-        "numerator_mask": num, "denominator_mask": den,
-        "advantages": _gather_or_zero(batch.advantages, r_index, den),
-        "old_logprobs": _gather_or_zero(batch.old_logprobs, r_index, den),
-        "ref_logprobs": _gather_or_zero(batch.ref_logprobs, r_index, den),
-    }
-
-    # 3. token weights ONCE for the whole step, before any split
-    weights = token_weights(num, mode=mode, divisor=divisor, cu_seqlens=offsets, group_sizes=group_sizes,
-                            denominator_mask=den, validate=False)
-    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den.sum()))
+    # 3. token weights ONCE for the whole step, before any split. They depend only on the masks of
+    # the response tokens, so they are computed on those alone (canonical order), not on the
+    # padded layout; every microbatch, rank and CP shard then gathers its tokens' weights.
+    resp_canonical = resp_len[order]
+    rc_start = _exclusive_cumsum(resp_canonical)
+    r_total = int(rc_start[-1])
+    canon = (r_start[order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
+    den_c = batch.loss_mask[canon]
+    num_c = den_c if batch.numerator_mask is None else batch.numerator_mask[canon]
+    weights = token_weights(num_c, mode=mode, divisor=divisor, cu_seqlens=rc_start, group_sizes=group_sizes,
+                            denominator_mask=den_c, validate=False)
+    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den_c.sum()))
+    rc_of_rollout = torch.empty_like(rc_start[:-1])
+    rc_of_rollout[order] = rc_start[:-1]  # canonical response offset of each rollout
 
     # 4. whole sequences onto token-balanced bins; bin b -> DP rank b % dp, microbatch b // dp
     dp = plan_cfg.dp_size
-    padded_list = padded.tolist()
-    num_mb = _choose_microbatches(padded_list, plan_cfg)
-    bins = _lpt_bins(padded_list, dp * num_mb)
+    padded_canonical = padded[order].tolist()
+    num_mb = _choose_microbatches(padded_canonical, plan_cfg)
+    bins = _lpt_bins(padded_canonical, dp * num_mb)
     empty = sum(1 for members in bins if not members)
     if empty:
         raise PlanError(
             f"{num_seqs} sequences cannot fill {dp} DP ranks x {num_mb} microbatches: {empty} "
             "microbatches would be empty; use fewer microbatches or a larger step")
 
-    # 5. one gather puts every bin's tokens contiguous; microbatches are slices of it
-    perm = torch.tensor([s for members in bins for s in members], dtype=torch.long)
-    perm_padded = padded[perm]
-    perm_starts = torch.zeros(num_seqs + 1, dtype=torch.long)
-    torch.cumsum(perm_padded, 0, out=perm_starts[1:])
-    within = torch.arange(total) - torch.repeat_interleave(perm_starts[:-1], perm_padded, output_size=total)
-    token_perm = torch.repeat_interleave(offsets[perm], perm_padded, output_size=total) + within
+    # 5. build the packed layout directly in bin order (bins contiguous): one pass per field
+    rollout_of = order[torch.tensor([s for members in bins for s in members], dtype=torch.long)]
+    seq_padded = padded[rollout_of]
+    seq_offsets = _exclusive_cumsum(seq_padded)
+    total = int(seq_offsets[-1])
     cp = plan_cfg.cp_size
     if cp > 1:
-        token_perm = token_perm[_cp_index(perm_padded, cp, cp_rank)]
-    permuted = {k: (None if v is None else v[token_perm]) for k, v in fields_.items()}
-    permuted_weights = weights[token_perm]
-    uniform = max(sum(padded_list[s] for s in members) for members in bins)
+        kept = _cp_index(seq_padded, cp, cp_rank)
+        seq = torch.searchsorted(seq_offsets[1:], kept, right=True)
+    else:
+        kept = torch.arange(total)
+        seq = segment_ids(seq_offsets, total)
+    pos = kept - seq_offsets[seq]
+    rollout = rollout_of[seq]
+    p_tok, l_tok = prompt_len[rollout], length[rollout]
 
+    # Every per-token field is ONE gather from a source array with a zero "sentinel" appended:
+    # positions that read nothing (prompt, padding, masked) index the sentinel, so no clamp and
+    # no per-field where is needed (fewer passes over the step: planning is memory-bound).
+    p_total = batch.prompt_tokens.numel()
+    all_tokens = torch.cat([batch.prompt_tokens, batch.response_tokens, torch.zeros(1, dtype=torch.long)])
+    token_sentinel = p_total + r_total
+    resp_base = p_total + r_start[rollout] - p_tok  # all_tokens index of position pos in the response
+    prompt_base = p_start[rollout]
+
+    def token_at(at):
+        """Token id at position ``at`` of each token's sequence (0 past its end)."""
+        index = torch.where(at < p_tok, prompt_base + at, resp_base + at)
+        return all_tokens[index.masked_fill_(at >= l_tok, token_sentinel)]
+
+    tokens = token_at(pos)
+    if cp == 1:  # sequences are contiguous: the next token is the shifted token row
+        labels = torch.zeros_like(tokens)
+        labels[:-1] = tokens[1:]
+        labels.masked_fill_(pos + 1 >= l_tok, 0)
+    else:
+        labels = token_at(pos + 1)
+
+    def with_sentinel(values):
+        return None if values is None else torch.cat([values, values.new_zeros(1)])
+
+    # position P + j - 1 scores response token j
+    j = pos - p_tok + 1
+    scored_index = (r_start[rollout] + j).masked_fill_((j < 0) | (pos >= l_tok - 1), r_total)
+    den = with_sentinel(batch.loss_mask)[scored_index]
+    num = den if batch.numerator_mask is None else with_sentinel(batch.numerator_mask)[scored_index]
+    valid_index = scored_index.masked_fill_(~den, r_total)  # masked positions read 0 (never NaN)
+    c_index = (rc_of_rollout[rollout] + j).masked_fill_(~den, r_total)
+    coef = with_sentinel(weights.coef)[c_index]
+    layout = {
+        "tokens": tokens, "labels": labels, "position_ids": pos,
+        "numerator_mask": num, "denominator_mask": den,
+        "advantages": with_sentinel(batch.advantages)[valid_index],
+        "old_logprobs": with_sentinel(batch.old_logprobs)[valid_index],
+        "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
+    }
+    layout_weights = TokenWeights(coef if num is den else coef.masked_fill_(~num, 0.0),
+                                  with_sentinel(weights.count)[c_index], weights.mode)
+
+    uniform = max(sum(padded_canonical[s] for s in members) for members in bins)
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
     start = 0
     for b, members in enumerate(bins):
         rank, mb = b % dp, b // dp
-        seq_padded = [padded_list[s] for s in members]
-        seq_real = [int(length[s]) for s in members]
-        size = sum(seq_padded)
+        seq_pad = [padded_canonical[s] for s in members]
+        size = sum(seq_pad)
         part = slice(start // cp, (start + size) // cp)
         start += size
         bin_tokens[rank][mb] = size
@@ -293,14 +306,13 @@ def plan_step(
         if extra and cp > 1:
             raise PlanError("uniform_microbatch_tokens with cp_size > 1 is not supported: the extra "
                             "padding would not follow the CP chunk layout")
+        cut = {k: (None if v is None else v[part]) for k, v in layout.items()}
+        w = layout_weights[part]
         if extra:  # the last sequence's padding grows; the extra positions score nothing
-            seq_padded[-1] += extra
-        cut = {k: (None if v is None else v[part]) for k, v in permuted.items()}
-        w = permuted_weights[part]
-        if extra:
-            pad = extra // cp
-            cut = {k: (None if v is None else torch.cat([v, v.new_zeros(pad)])) for k, v in cut.items()}
-            w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(pad), w.count.new_zeros(pad), w.mode)])
+            seq_pad[-1] += extra
+            cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
+            w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(extra), w.count.new_zeros(extra), w.mode)])
+        originals = order[torch.tensor(members, dtype=torch.long)]
         microbatches[rank][mb] = Microbatch(
             tokens=cut["tokens"].unsqueeze(0),
             labels=cut["labels"].unsqueeze(0),
@@ -311,10 +323,10 @@ def plan_step(
             old_logprobs=cut["old_logprobs"],
             ref_logprobs=cut["ref_logprobs"],
             weights=w,
-            cu_seqlens=torch.tensor([0, *_running(seq_real)], dtype=torch.int32),
-            cu_seqlens_padded=torch.tensor([0, *_running(seq_padded)], dtype=torch.int32),
-            max_seqlen=max(seq_padded),
-            sequence_ids=order[torch.tensor(members)].tolist(),
+            cu_seqlens=torch.tensor([0, *_running(length[originals].tolist())], dtype=torch.int32),
+            cu_seqlens_padded=torch.tensor([0, *_running(seq_pad)], dtype=torch.int32),
+            max_seqlen=max(seq_pad),
+            sequence_ids=originals.tolist(),
         )
     flat = [t for row in bin_tokens for t in row]
     per_rank = [sum(row) for row in bin_tokens]

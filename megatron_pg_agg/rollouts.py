@@ -177,7 +177,7 @@ class RolloutBatch:
         for name in ("advantages", "old_logprobs", "ref_logprobs"):
             t = getattr(self, name)
             if t is not None:
-                bad = valid & ~torch.isfinite(t)
+                bad = valid & ((t - t) != 0)  # x - x is NaN exactly when x is NaN or +-inf
                 if bool(bad.any()):
                     i, j = owner(int(bad.int().argmax()))
                     raise PlanError(f"rollout {i}: non-finite {name} at valid position {j}")
