@@ -219,13 +219,13 @@ def pg_loss_sum(
     pg, ratio, was_clipped = ppo_token_losses(logprobs, old_logprobs, advantages, cfg)
     pg_sum, count = weighted_sum(pg, numerator_mask, weights, validate=False)
     loss_sum = pg_sum
-    n_float = numerator_mask.to(torch.float32)
-    d_float = denominator_mask.to(torch.float32)
-    num_tokens, den_tokens = n_float.sum(), d_float.sum()
+    # counts straight from the bool masks: no float copies of per-token tensors
+    num_tokens = numerator_mask.sum(dtype=torch.float32)
+    den_tokens = denominator_mask.sum(dtype=torch.float32)
     count_f = count.to(torch.float32)
     report = {
         "pg_loss": torch.stack([pg_sum.detach(), count_f]),
-        "clip_fraction": torch.stack([(was_clipped.float() * n_float).sum(), num_tokens]),
+        "clip_fraction": torch.stack([(was_clipped & numerator_mask).sum(dtype=torch.float32), num_tokens]),
         "ratio": torch.stack([torch.where(numerator_mask, ratio.detach(), 0.0).sum(), num_tokens]),
     }
     scale = totals.extra_scale
