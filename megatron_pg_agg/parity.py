@@ -100,9 +100,10 @@ def loss_config(mode: str):
     )
 
 
-def parity_rollouts(seed: int = 7):
+def parity_rollouts(seed: int = 7, with_ref: bool = True):
     """The built-in step: ragged prompt groups (3, 1, 2, 4, 2), one response with no valid
-    token, filtered numerator tokens, 3..21 tokens per sequence, groups interleaved in input order."""
+    token, filtered numerator tokens, 3..21 tokens per sequence, groups interleaved in input order
+    (so microbatches and ranks get different token counts and the planner must regroup)."""
     import random
 
     from .planner import Rollout
@@ -121,7 +122,7 @@ def parity_rollouts(seed: int = 7):
                 loss_mask=mask,
                 advantages=[adv + rng.uniform(-0.1, 0.1) for _ in range(n)],
                 old_logprobs=[-rng.uniform(3.0, 5.5) for _ in range(n)],
-                ref_logprobs=[-rng.uniform(3.0, 5.5) for _ in range(n)],
+                ref_logprobs=[-rng.uniform(3.0, 5.5) for _ in range(n)] if with_ref else None,
                 group_id=f"prompt-{g}",
                 numerator_mask=[m if rng.random() > 0.2 else 0 for m in mask],
             ))
