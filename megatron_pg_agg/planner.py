@@ -244,42 +244,51 @@ def plan_step(
     else:
         kept = torch.arange(total)
         seq = segment_ids(seq_offsets, total)
-    pos = kept - seq_offsets[seq]
-    rollout = rollout_of[seq]
-    p_tok, l_tok = prompt_len[rollout], length[rollout]
-
-    # Every per-token field is ONE gather from a source array with a zero "sentinel" appended:
-    # positions that read nothing (prompt, padding, masked) index the sentinel, so no clamp and
-    # no per-field where is needed (fewer passes over the step: planning is memory-bound).
+    # Per-sequence bases, so that each per-token index is one gather of a base plus ``kept``
+    # (absolute positions in the packed layout); planning is memory-bound, so passes count.
+    # Every per-token field is then ONE gather from a source array with a zero "sentinel"
+    # appended: positions that read nothing (padding, prompt, masked) index the sentinel, so no
+    # clamp and no per-field where is needed.
+    seq_start = seq_offsets[:-1]
+    prompt_end = seq_start + prompt_len[rollout_of]
+    seq_end = seq_start + length[rollout_of]
     p_total = batch.prompt_tokens.numel()
+    token_base = torch.stack([p_start[rollout_of] - seq_start,            # prompt: prompt_tokens
+                              p_total + r_start[rollout_of] - prompt_end,  # response: after prompts
+                              r_start[rollout_of] - prompt_end + 1,        # scored response token
+                              rc_of_rollout[rollout_of] - prompt_end + 1], 1)  # its weights
     all_tokens = torch.cat([batch.prompt_tokens, batch.response_tokens, torch.zeros(1, dtype=torch.long)])
-    token_sentinel = p_total + r_total
-    resp_base = p_total + r_start[rollout] - p_tok  # all_tokens index of position pos in the response
-    prompt_base = p_start[rollout]
+    pos = kept - seq_start[seq]
+    in_prompt = kept < prompt_end[seq]
+    end = seq_end[seq]
+    bases = token_base[seq]
 
-    def token_at(at):
-        """Token id at position ``at`` of each token's sequence (0 past its end)."""
-        index = torch.where(at < p_tok, prompt_base + at, resp_base + at)
-        return all_tokens[index.masked_fill_(at >= l_tok, token_sentinel)]
+    def token_at(at, in_prompt_at):
+        """Token id at absolute position ``at`` of each token's sequence (0 past its end)."""
+        index = torch.where(in_prompt_at, bases[:, 0], bases[:, 1]).add_(at)
+        return all_tokens[index.masked_fill_(at >= end, p_total + r_total)]
 
-    tokens = token_at(pos)
+    tokens = token_at(kept, in_prompt)
+    next_pos = kept + 1
+    last = next_pos >= end  # the last real position (and padding) scores nothing
     if cp == 1:  # sequences are contiguous: the next token is the shifted token row
         labels = torch.zeros_like(tokens)
         labels[:-1] = tokens[1:]
-        labels.masked_fill_(pos + 1 >= l_tok, 0)
+        labels.masked_fill_(last, 0)
     else:
-        labels = token_at(pos + 1)
+        labels = token_at(next_pos, next_pos < prompt_end[seq])
 
     def with_sentinel(values):
         return None if values is None else torch.cat([values, values.new_zeros(1)])
 
-    # position P + j - 1 scores response token j
-    j = pos - p_tok + 1
-    scored_index = (r_start[rollout] + j).masked_fill_((j < 0) | (pos >= l_tok - 1), r_total)
+    # position P + j - 1 scores response token j: scored from the prompt's last token onwards
+    unscored = last | (next_pos < prompt_end[seq])
+    scored_index = bases[:, 2].add(kept).masked_fill_(unscored, r_total)
     den = with_sentinel(batch.loss_mask)[scored_index]
     num = den if batch.numerator_mask is None else with_sentinel(batch.numerator_mask)[scored_index]
-    valid_index = scored_index.masked_fill_(~den, r_total)  # masked positions read 0 (never NaN)
-    c_index = (rc_of_rollout[rollout] + j).masked_fill_(~den, r_total)
+    not_den = ~den
+    valid_index = scored_index.masked_fill_(not_den, r_total)  # masked positions read 0 (never NaN)
+    c_index = bases[:, 3].add(kept).masked_fill_(not_den, r_total)
     coef = with_sentinel(weights.coef)[c_index]
     layout = {
         "tokens": tokens, "labels": labels, "position_ids": pos,
@@ -291,14 +300,22 @@ def plan_step(
     layout_weights = TokenWeights(coef if num is den else coef.masked_fill_(~num, 0.0),
                                   with_sentinel(weights.count)[c_index], weights.mode)
 
-    uniform = max(sum(padded_canonical[s] for s in members) for members in bins)
+    # host lists once; each bin is a run of them and a slice of every per-token tensor
+    seq_pad_all = seq_padded.tolist()
+    seq_real_all = length[rollout_of].tolist()
+    originals_all = rollout_of.tolist()
+    bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
+                 for first, members in zip(_running([0] + [len(m) for m in bins])[:-1], bins)]
+    uniform = max(bin_sizes)
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
-    start = 0
+    start, first = 0, 0
     for b, members in enumerate(bins):
         rank, mb = b % dp, b // dp
-        seq_pad = [padded_canonical[s] for s in members]
-        size = sum(seq_pad)
+        here = slice(first, first + len(members))
+        first += len(members)
+        seq_pad = seq_pad_all[here]
+        size = bin_sizes[b]
         part = slice(start // cp, (start + size) // cp)
         start += size
         bin_tokens[rank][mb] = size
@@ -312,7 +329,6 @@ def plan_step(
             seq_pad[-1] += extra
             cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
             w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(extra), w.count.new_zeros(extra), w.mode)])
-        originals = order[torch.tensor(members, dtype=torch.long)]
         microbatches[rank][mb] = Microbatch(
             tokens=cut["tokens"].unsqueeze(0),
             labels=cut["labels"].unsqueeze(0),
@@ -323,10 +339,10 @@ def plan_step(
             old_logprobs=cut["old_logprobs"],
             ref_logprobs=cut["ref_logprobs"],
             weights=w,
-            cu_seqlens=torch.tensor([0, *_running(length[originals].tolist())], dtype=torch.int32),
+            cu_seqlens=torch.tensor([0, *_running(seq_real_all[here])], dtype=torch.int32),
             cu_seqlens_padded=torch.tensor([0, *_running(seq_pad)], dtype=torch.int32),
             max_seqlen=max(seq_pad),
-            sequence_ids=originals.tolist(),
+            sequence_ids=originals_all[here],
         )
     flat = [t for row in bin_tokens for t in row]
     per_rank = [sum(row) for row in bin_tokens]
