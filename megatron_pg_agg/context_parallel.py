@@ -13,20 +13,27 @@ from typing import Sequence
 import torch
 
 
-def cp_partition_index(padded_lengths: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
-    """int64 positions (into the packed, padded microbatch) that CP rank ``cp_rank`` keeps."""
+def cp_partition_index(padded_lengths: Sequence[int] | torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """int64 positions (into the packed, padded run of sequences) that CP rank ``cp_rank`` keeps,
+    in order: for each sequence, its chunk ``cp_rank`` then its chunk ``2 * cp_size - 1 - cp_rank``.
+    Vectorised (the planner calls it on whole steps)."""
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}); got {cp_rank}")
-    pieces, offset = [], 0
-    for length in padded_lengths:
-        if length % (2 * cp_size):
-            raise ValueError(
-                f"a padded sequence length ({length}) must be divisible by 2 * cp_size = "
-                f"{2 * cp_size}; pad sequences with PlanConfig(cp_size=...)"
-            )
-        chunk = length // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            start = offset + c * chunk
-            pieces.append(torch.arange(start, start + chunk))
-        offset += length
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    padded = torch.as_tensor(padded_lengths, dtype=torch.long).reshape(-1)
+    bad = padded % (2 * cp_size) != 0
+    if bool(bad.any()):
+        length = int(padded[int(bad.int().argmax())])
+        raise ValueError(
+            f"a padded sequence length ({length}) must be divisible by 2 * cp_size = "
+            f"{2 * cp_size}; pad sequences with PlanConfig(cp_size=...)"
+        )
+    chunk = padded // (2 * cp_size)
+    starts = torch.zeros_like(padded)
+    starts[1:] = torch.cumsum(padded, 0)[:-1]
+    firsts = torch.stack([starts + cp_rank * chunk, starts + (2 * cp_size - 1 - cp_rank) * chunk], 1).reshape(-1)
+    lengths = chunk.repeat_interleave(2)
+    total = int(lengths.sum())
+    offsets = torch.zeros_like(lengths)
+    offsets[1:] = torch.cumsum(lengths, 0)[:-1]
+    piece = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
+    return firsts[piece] + torch.arange(total) - offsets[piece]

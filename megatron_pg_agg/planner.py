@@ -7,12 +7,14 @@ Order of work, and why:
 1. check the rollouts (host data: checks are free here, so the per-microbatch path can trust it);
 2. put sequences in canonical order (groups consecutive, in order of first appearance) and pad
    each to what TP sequence parallelism and context parallelism need;
-3. compute ``token_weights`` ONCE for the whole step, before any split: groups and sequences may
-   then land in different microbatches, DP ranks or CP shards and the objective stays exact;
+3. compute ``token_weights`` ONCE for the whole step (on the response tokens, canonical order),
+   before any split: groups and sequences may then land in different microbatches, DP ranks or
+   CP shards and the objective stays exact;
 4. assign whole sequences (attention needs them whole) to DP x microbatch bins, token-balanced
    (longest-first onto the lightest bin);
-5. pack each bin into THD tensors (cu_seqlens and cu_seqlens_padded) and, with CP, keep this CP
-   rank's part of every per-token tensor (Megatron's layout, :mod:`megatron_pg_agg.context_parallel`).
+5. build the packed THD layout directly in bin order (each bin a contiguous slice, with
+   cu_seqlens and cu_seqlens_padded) and, with CP, only this CP rank's positions (Megatron's
+   layout, :mod:`megatron_pg_agg.context_parallel`). Every per-token field is one gather.
 
 Token positions: a sequence is ``prompt + response``; position t predicts token t+1, so response
 token j (sequence index P + j) is scored at position P + j - 1, where its mask, advantage and
@@ -28,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from .aggregation import TokenWeights, segment_ids, token_weights
+from .context_parallel import cp_partition_index
 from .losses import StepTotals
 from .modes import resolve_mode
 from .rollouts import PlanError, Rollout, RolloutBatch, _exclusive_cumsum, check_rollout  # noqa: F401
@@ -150,21 +153,6 @@ def _canonical_order(group_index: torch.Tensor):
     return order, sizes.tolist()
 
 
-def _cp_index(padded: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
-    """Positions CP rank ``cp_rank`` keeps in a packed run of sequences with ``padded`` lengths
-    (chunks r and 2cp-1-r of each): the vectorised form of context_parallel.cp_partition_index."""
-    chunk = padded // (2 * cp)
-    starts = torch.zeros_like(padded)
-    starts[1:] = torch.cumsum(padded, 0)[:-1]
-    firsts = torch.stack([starts + cp_rank * chunk, starts + (2 * cp - 1 - cp_rank) * chunk], 1).reshape(-1)
-    lengths = chunk.repeat_interleave(2)
-    total = int(lengths.sum())
-    base = torch.repeat_interleave(firsts, lengths, output_size=total)
-    offsets = torch.zeros_like(lengths)
-    offsets[1:] = torch.cumsum(lengths, 0)[:-1]
-    return base + torch.arange(total) - torch.repeat_interleave(offsets, lengths, output_size=total)
-
-
 def plan_step(
     rollouts,
     loss_cfg,
@@ -239,7 +227,7 @@ def plan_step(
     total = int(seq_offsets[-1])
     cp = plan_cfg.cp_size
     if cp > 1:
-        kept = _cp_index(seq_padded, cp, cp_rank)
+        kept = cp_partition_index(seq_padded, cp, cp_rank)
         seq = torch.searchsorted(seq_offsets[1:], kept, right=True)
     else:
         kept = torch.arange(total)
