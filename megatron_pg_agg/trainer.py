@@ -197,26 +197,31 @@ def load_steps(args) -> dict:
         raise StartupError(f"refusing to start: {err}") from err
 
 
-def _check_steps(steps: dict, args, world: int) -> None:
+def _check_steps(steps: dict, args, world: int) -> dict:
     """Every step must be plannable before the first update: a step that would fail at iteration
-    k must not let iterations 0..k-1 train first."""
-    from .planner import PlanConfig, PlanError, check_fits
+    k must not let iterations 0..k-1 train first. Returns the steps packed as RolloutBatch."""
+    from .planner import PlanConfig, PlanError, RolloutBatch, check_fits
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     dp = world // (tp * pp * cp)
     cfg = PlanConfig(dp_size=dp, max_tokens_per_microbatch=args.max_tokens_per_microbatch, tp_size=tp,
                      sequence_parallel=args.sequence_parallel, cp_size=cp)
     bins = dp * (args.num_microbatches or 2) if args.max_tokens_per_microbatch is None else dp
-    try:
-        for key, rollouts in steps.items():
+    packed = {}
+    for key, rollouts in steps.items():
+        try:
             if not rollouts:
                 raise PlanError(f"step {key} has no rollouts")
             check_fits(rollouts, cfg, step=key)
             if len(rollouts) < bins:
                 raise PlanError(f"step {key} has {len(rollouts)} responses, fewer than the {bins} "
                                 f"microbatches ({dp} DP ranks) it must fill")
-    except PlanError as err:
-        raise StartupError(f"refusing to start: {err}") from err
+            # packed once: each iteration then plans from flat tensors (vectorised, fast)
+            packed[key] = RolloutBatch.from_rollouts(rollouts, vocab_size=args.vocab_size)
+        except PlanError as err:
+            where = "" if str(err).startswith("step ") else f"step {key}: "
+            raise StartupError(f"refusing to start: {where}{err}") from err
+    return packed
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -387,7 +392,7 @@ def train(args) -> dict:
     validate_startup(args, world, backend=backend, te=te_usable())
     loss_cfg = config_from_args(args)
     steps = load_steps(args)  # rollouts are validated on the host before any process group
-    _check_steps(steps, args, world)
+    steps = _check_steps(steps, args, world)
 
     from .parallel import init_distributed, init_parallel
 
