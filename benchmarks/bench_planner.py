@@ -68,7 +68,8 @@ def balance(bins: list, lengths: list) -> tuple[float, float]:
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()  # warm-up
+    for _ in range(3):  # warm-up to the steady state of a training loop, which plans every step
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

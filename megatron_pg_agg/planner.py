@@ -236,7 +236,7 @@ def plan_step(
     # (absolute positions in the packed layout); planning is memory-bound, so passes count.
     # Every per-token field is then ONE gather from a source array with a zero "sentinel"
     # appended: positions that read nothing (padding, prompt, masked) index the sentinel, so no
-    # clamp and no per-field where is needed.
+    # clamp and no per-field where is needed. (torch.where, not masked_fill_: faster on CPU.)
     seq_start = seq_offsets[:-1]
     prompt_end = seq_start + prompt_len[rollout_of]
     seq_end = seq_start + length[rollout_of]
@@ -254,7 +254,7 @@ def plan_step(
     def token_at(at, in_prompt_at):
         """Token id at absolute position ``at`` of each token's sequence (0 past its end)."""
         index = torch.where(in_prompt_at, bases[:, 0], bases[:, 1]).add_(at)
-        return all_tokens[index.masked_fill_(at >= end, p_total + r_total)]
+        return all_tokens[torch.where(at >= end, p_total + r_total, index)]
 
     tokens = token_at(kept, in_prompt)
     next_pos = kept + 1
@@ -262,7 +262,7 @@ def plan_step(
     if cp == 1:  # sequences are contiguous: the next token is the shifted token row
         labels = torch.zeros_like(tokens)
         labels[:-1] = tokens[1:]
-        labels.masked_fill_(last, 0)
+        labels = torch.where(last, 0, labels)
     else:
         labels = token_at(next_pos, next_pos < prompt_end[seq])
 
@@ -271,12 +271,11 @@ def plan_step(
 
     # position P + j - 1 scores response token j: scored from the prompt's last token onwards
     unscored = last | (next_pos < prompt_end[seq])
-    scored_index = bases[:, 2].add(kept).masked_fill_(unscored, r_total)
+    scored_index = torch.where(unscored, r_total, bases[:, 2] + kept)
     den = with_sentinel(batch.loss_mask)[scored_index]
     num = den if batch.numerator_mask is None else with_sentinel(batch.numerator_mask)[scored_index]
-    not_den = ~den
-    valid_index = scored_index.masked_fill_(not_den, r_total)  # masked positions read 0 (never NaN)
-    c_index = bases[:, 3].add(kept).masked_fill_(not_den, r_total)
+    valid_index = torch.where(den, scored_index, r_total)  # masked positions read 0 (never NaN)
+    c_index = torch.where(den, bases[:, 3] + kept, r_total)
     coef = with_sentinel(weights.coef)[c_index]
     layout = {
         "tokens": tokens, "labels": labels, "position_ids": pos,
@@ -285,7 +284,7 @@ def plan_step(
         "old_logprobs": with_sentinel(batch.old_logprobs)[valid_index],
         "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
     }
-    layout_weights = TokenWeights(coef if num is den else coef.masked_fill_(~num, 0.0),
+    layout_weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
                                   with_sentinel(weights.count)[c_index], weights.mode)
 
     # host lists once; each bin is a run of them and a slice of every per-token tensor
