@@ -90,19 +90,22 @@ class TokenWeights:
         )
 
 
+def exclusive_cumsum(values: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``[K+1]`` running sums starting at 0 (segment lengths -> offsets), on ``values``' device."""
+    out = torch.zeros(values.numel() + 1, dtype=dtype, device=values.device)
+    torch.cumsum(values, 0, dtype=dtype, out=out[1:])
+    return out
+
+
 def _prefix_counts(d: torch.Tensor) -> torch.Tensor:
     """int32 ``[T+1]`` exclusive prefix sums of the denominator mask (exact; int32 because an
     int64 cumsum is several times slower on CPU, and the layout check bounds T below 2**31)."""
-    prefix = torch.zeros(d.numel() + 1, dtype=torch.int32, device=d.device)
-    torch.cumsum(d, 0, dtype=torch.int32, out=prefix[1:])
-    return prefix
+    return exclusive_cumsum(d, torch.int32)
 
 
 def _group_bounds(layout: Layout) -> torch.Tensor:
     """int64 ``[G+1]``: sequence index where each prompt group starts (and the end)."""
-    bounds = torch.zeros(layout.group_sizes.numel() + 1, dtype=torch.long, device=layout.group_sizes.device)
-    torch.cumsum(layout.group_sizes, 0, out=bounds[1:])
-    return bounds
+    return exclusive_cumsum(layout.group_sizes)
 
 
 def _inverse(denominators: torch.Tensor) -> torch.Tensor:

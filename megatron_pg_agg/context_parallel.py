@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from .aggregation import exclusive_cumsum, segment_ids
+
 
 def cp_partition_index(padded_lengths: Sequence[int] | torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """int64 positions (into the packed, padded run of sequences) that CP rank ``cp_rank`` keeps,
@@ -28,12 +30,9 @@ def cp_partition_index(padded_lengths: Sequence[int] | torch.Tensor, cp_size: in
             f"{2 * cp_size}; pad sequences with PlanConfig(cp_size=...)"
         )
     chunk = padded // (2 * cp_size)
-    starts = torch.zeros_like(padded)
-    starts[1:] = torch.cumsum(padded, 0)[:-1]
+    starts = exclusive_cumsum(padded)[:-1]
     firsts = torch.stack([starts + cp_rank * chunk, starts + (2 * cp_size - 1 - cp_rank) * chunk], 1).reshape(-1)
-    lengths = chunk.repeat_interleave(2)
-    total = int(lengths.sum())
-    offsets = torch.zeros_like(lengths)
-    offsets[1:] = torch.cumsum(lengths, 0)[:-1]
-    piece = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
+    offsets = exclusive_cumsum(chunk.repeat_interleave(2))  # where each kept chunk lands
+    total = int(offsets[-1])
+    piece = segment_ids(offsets, total)
     return firsts[piece] + torch.arange(total) - offsets[piece]

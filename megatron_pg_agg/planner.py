@@ -25,15 +25,15 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from .aggregation import TokenWeights, segment_ids, token_weights
+from .aggregation import TokenWeights, exclusive_cumsum, segment_ids, token_weights
 from .context_parallel import cp_partition_index
 from .losses import StepTotals
 from .modes import resolve_mode
-from .rollouts import PlanError, Rollout, RolloutBatch, _exclusive_cumsum, check_rollout  # noqa: F401
+from .rollouts import PlanError, Rollout, RolloutBatch, check_rollout  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -111,23 +111,25 @@ class PlanConfig:
         return tp * cp // math.gcd(tp, cp)
 
 
-def check_fits(rollouts: Sequence[Rollout], plan_cfg: PlanConfig, *, step=None) -> None:
-    """Raise PlanError naming the first rollout too long for one microbatch (attention needs a
+def padded_lengths(batch: RolloutBatch, plan_cfg: PlanConfig, *, step=None) -> torch.Tensor:
+    """int64 ``[N]``: each rollout's prompt + response length, padded to ``plan_cfg.pad_multiple``.
+
+    Raises PlanError naming the first rollout too long for one microbatch (attention needs a
     sequence whole, so it can never be split to fit)."""
-    cap = plan_cfg.max_tokens_per_microbatch
-    if cap is None:
-        return
     multiple = plan_cfg.pad_multiple
-    where = "" if step is None else f"step {step}, "
-    for i, r in enumerate(rollouts):
-        n = len(r.prompt_ids) + len(r.response_ids)
-        padded = -(-n // multiple) * multiple
-        if padded > cap:
-            raise PlanError(
-                f"{where}rollout {i} (group {r.group_id!r}): {n} tokens (prompt {len(r.prompt_ids)} + "
-                f"response {len(r.response_ids)}, padded to {padded}) do not fit a microbatch of "
-                f"max_tokens_per_microbatch={cap}; raise the capacity or drop the sequence"
-            )
+    length = batch.prompt_lengths + batch.response_lengths
+    padded = (length + multiple - 1) // multiple * multiple
+    cap = plan_cfg.max_tokens_per_microbatch
+    if cap is not None and bool((padded > cap).any()):
+        i = int((padded > cap).int().argmax())
+        label = batch.group_labels[int(batch.group_index[i])] if batch.group_labels else int(batch.group_index[i])
+        where = "" if step is None else f"step {step}, "
+        raise PlanError(
+            f"{where}rollout {i} (group {label!r}): {int(length[i])} tokens (prompt "
+            f"{int(batch.prompt_lengths[i])} + response {int(batch.response_lengths[i])}, padded to "
+            f"{int(padded[i])}) do not fit a microbatch of max_tokens_per_microbatch={cap}; raise the "
+            "capacity or drop the sequence")
+    return padded
 
 
 def _lpt_bins(lengths: list, num_bins: int) -> list:
@@ -180,25 +182,16 @@ def plan_step(
 
     # 2. canonical order (groups consecutive) and padding
     order, group_sizes = _canonical_order(batch.group_index)
-    multiple = plan_cfg.pad_multiple
     prompt_len, resp_len = batch.prompt_lengths, batch.response_lengths  # original order
     length = prompt_len + resp_len
-    padded = (length + multiple - 1) // multiple * multiple
-    cap = plan_cfg.max_tokens_per_microbatch
-    if cap is not None and bool((padded > cap).any()):
-        i = int((padded > cap).int().argmax())
-        label = batch.group_labels[int(batch.group_index[i])] if batch.group_labels else int(batch.group_index[i])
-        raise PlanError(
-            f"rollout {i} (group {label!r}): {int(length[i])} tokens (prompt {int(prompt_len[i])} + response "
-            f"{int(resp_len[i])}, padded to {int(padded[i])}) do not fit a microbatch of "
-            f"max_tokens_per_microbatch={cap}; raise the capacity or drop the sequence")
-    p_start, r_start = _exclusive_cumsum(prompt_len), _exclusive_cumsum(resp_len)
+    padded = padded_lengths(batch, plan_cfg)
+    p_start, r_start = exclusive_cumsum(prompt_len), exclusive_cumsum(resp_len)
 
     # 3. token weights ONCE for the whole step, before any split. They depend only on the masks of
     # the response tokens, so they are computed on those alone (canonical order), not on the
     # padded layout; every microbatch, rank and CP shard then gathers its tokens' weights.
     resp_canonical = resp_len[order]
-    rc_start = _exclusive_cumsum(resp_canonical)
+    rc_start = exclusive_cumsum(resp_canonical)
     r_total = int(rc_start[-1])
     canon = (r_start[order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
     den_c = batch.loss_mask[canon]
@@ -223,7 +216,7 @@ def plan_step(
     # 5. build the packed layout directly in bin order (bins contiguous): one pass per field
     rollout_of = order[torch.tensor([s for members in bins for s in members], dtype=torch.long)]
     seq_padded = padded[rollout_of]
-    seq_offsets = _exclusive_cumsum(seq_padded)
+    seq_offsets = exclusive_cumsum(seq_padded)
     total = int(seq_offsets[-1])
     cp = plan_cfg.cp_size
     if cp > 1:

@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .aggregation import exclusive_cumsum
+
 
 class PlanError(ValueError):
     """A step that cannot be planned; the message names the rollout and field."""
@@ -67,12 +69,6 @@ def check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
         for j, (n, m) in enumerate(zip(r.numerator_mask, r.loss_mask)):
             if n and not m:
                 raise PlanError(f"rollout {i}: numerator_mask[{j}] is 1 where loss_mask is 0")
-
-
-def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.long)
-    torch.cumsum(lengths, 0, out=out[1:])
-    return out
 
 
 @dataclass
@@ -157,7 +153,7 @@ class RolloutBatch:
                 raise PlanError(f"{name} holds {t.numel()} entries but response_lengths sum to {r_total}")
         if self.group_index.numel() != n:
             raise PlanError(f"group_index holds {self.group_index.numel()} entries for {n} rollouts")
-        starts = _exclusive_cumsum(self.response_lengths)
+        starts = exclusive_cumsum(self.response_lengths)
 
         def owner(flat_index: int) -> tuple[int, int]:
             i = int(torch.searchsorted(starts[1:], torch.tensor(flat_index), right=True))
@@ -169,7 +165,7 @@ class RolloutBatch:
                 bad = (tokens < 0) | (tokens >= vocab_size)
                 if bool(bad.any()):
                     k = int(bad.int().argmax())
-                    ps = _exclusive_cumsum(lengths)
+                    ps = exclusive_cumsum(lengths)
                     i = int(torch.searchsorted(ps[1:], torch.tensor(k), right=True))
                     raise PlanError(f"rollout {i}: {name}[{k - int(ps[i])}]={int(tokens[k])} is outside the "
                                     f"vocabulary [0, {vocab_size})")

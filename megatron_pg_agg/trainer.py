@@ -200,7 +200,7 @@ def load_steps(args) -> dict:
 def _check_steps(steps: dict, args, world: int) -> dict:
     """Every step must be plannable before the first update: a step that would fail at iteration
     k must not let iterations 0..k-1 train first. Returns the steps packed as RolloutBatch."""
-    from .planner import PlanConfig, PlanError, RolloutBatch, check_fits
+    from .planner import PlanConfig, PlanError, RolloutBatch, padded_lengths
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     dp = world // (tp * pp * cp)
@@ -212,12 +212,12 @@ def _check_steps(steps: dict, args, world: int) -> dict:
         try:
             if not rollouts:
                 raise PlanError(f"step {key} has no rollouts")
-            check_fits(rollouts, cfg, step=key)
+            # packed once: each iteration then plans from flat tensors (vectorised, fast)
+            packed[key] = RolloutBatch.from_rollouts(rollouts, vocab_size=args.vocab_size)
+            padded_lengths(packed[key], cfg, step=key)
             if len(rollouts) < bins:
                 raise PlanError(f"step {key} has {len(rollouts)} responses, fewer than the {bins} "
                                 f"microbatches ({dp} DP ranks) it must fill")
-            # packed once: each iteration then plans from flat tensors (vectorised, fast)
-            packed[key] = RolloutBatch.from_rollouts(rollouts, vocab_size=args.vocab_size)
         except PlanError as err:
             where = "" if str(err).startswith("step ") else f"step {key}: "
             raise StartupError(f"refusing to start: {where}{err}") from err
@@ -227,21 +227,12 @@ def _check_steps(steps: dict, args, world: int) -> dict:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _atomic_torch_save(obj, path: str) -> None:
-    import torch
-
+def _atomic_write(path: str, write) -> None:
+    """``write(binary_file)`` into a temp file beside ``path``, flushed to disk, then renamed over
+    ``path``: readers see the old file or the whole new one, never a torn one."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -262,10 +253,10 @@ def save_checkpoint(directory: str, iteration: int, model, optimizer, rank: int,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         **extra,
     }
-    _atomic_torch_save(state, os.path.join(path, f"rank_{rank:05d}.pt"))
+    _atomic_write(os.path.join(path, f"rank_{rank:05d}.pt"), lambda f: torch.save(state, f))
     dist.barrier()
     if rank == 0:
-        _atomic_write_text(os.path.join(directory, "latest"), f"{iteration}\n")
+        _atomic_write(os.path.join(directory, "latest"), lambda f: f.write(f"{iteration}\n".encode()))
     dist.barrier()
     return path
 
