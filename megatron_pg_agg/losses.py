@@ -27,6 +27,9 @@ from .modes import TOKEN_MEAN, resolve_mode
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
+REPORT_KEYS = ("objective", "pg_loss", "clip_fraction", "ratio", "kl", "entropy")
+"""The ``[sum, count]`` pairs :func:`pg_loss_sum` reports (``kl`` and ``entropy`` when computed)."""
+
 
 @dataclass(frozen=True)
 class PGLossConfig:

@@ -96,6 +96,17 @@ def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_
     return loss, count, report
 
 
+def forward_microbatch(model, mb: Microbatch):
+    """GPTModel (one pipeline chunk) on one packed THD microbatch: vocab-parallel logits
+    ``[1, T, V/tp]`` on the last stage, the hidden state elsewhere (the input comes by p2p)."""
+    return model(
+        input_ids=mb.tokens,
+        position_ids=mb.position_ids,
+        attention_mask=None,
+        packed_seq_params=packed_seq_params(mb),
+    )
+
+
 def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=None, device=None):
     """A ``forward_step_func`` for ``get_forward_backward_func()`` running GPTModel on packed THD
     microbatches from the data iterator (one iterator of :class:`Microbatch` per model chunk)."""
@@ -104,12 +115,6 @@ def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=No
         mb = next(data_iterator)
         if device is not None:
             mb = mb.to(device)
-        output = model(
-            input_ids=mb.tokens,
-            position_ids=mb.position_ids,
-            attention_mask=None,
-            packed_seq_params=packed_seq_params(mb),
-        )
-        return output, partial(pg_loss_func, mb, loss_cfg, totals, tp_group)
+        return forward_microbatch(model, mb), partial(pg_loss_func, mb, loss_cfg, totals, tp_group)
 
     return forward_step

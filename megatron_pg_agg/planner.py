@@ -103,6 +103,16 @@ class PlanConfig:
     """Pad every microbatch of the step to the same token count (the last sequence's padding
     grows). Pipeline schedules without ``variable_seq_lengths`` need it: p2p buffers have one
     shape (the interleaved schedule's shape exchange deadlocks on gloo)."""
+    microbatch_tokens: Optional[int] = None
+    """Pad every microbatch to exactly this many tokens (before the CP split), as Megatron-LM's
+    pipeline p2p buffers have the fixed shape ``--seq-length``; a microbatch that would hold more
+    is a PlanError. Also the capacity when ``max_tokens_per_microbatch`` is None."""
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """Most padded tokens one microbatch may hold (None: unbounded)."""
+        caps = [c for c in (self.max_tokens_per_microbatch, self.microbatch_tokens) if c is not None]
+        return min(caps) if caps else None
 
     @property
     def pad_multiple(self) -> int:
@@ -119,7 +129,7 @@ def padded_lengths(batch: RolloutBatch, plan_cfg: PlanConfig, *, step=None) -> t
     multiple = plan_cfg.pad_multiple
     length = batch.prompt_lengths + batch.response_lengths
     padded = (length + multiple - 1) // multiple * multiple
-    cap = plan_cfg.max_tokens_per_microbatch
+    cap = plan_cfg.capacity
     if cap is not None and bool((padded > cap).any()):
         i = int((padded > cap).int().argmax())
         label = batch.group_labels[int(batch.group_index[i])] if batch.group_labels else int(batch.group_index[i])
@@ -127,8 +137,8 @@ def padded_lengths(batch: RolloutBatch, plan_cfg: PlanConfig, *, step=None) -> t
         raise PlanError(
             f"{where}rollout {i} (group {label!r}): {int(length[i])} tokens (prompt "
             f"{int(batch.prompt_lengths[i])} + response {int(batch.response_lengths[i])}, padded to "
-            f"{int(padded[i])}) do not fit a microbatch of max_tokens_per_microbatch={cap}; raise the "
-            "capacity or drop the sequence")
+            f"{int(padded[i])}) do not fit a microbatch of {cap} tokens; raise the capacity "
+            "(max_tokens_per_microbatch, or Megatron-LM's --seq-length) or drop the sequence")
     return padded
 
 
@@ -286,7 +296,17 @@ def plan_step(
     originals_all = rollout_of.tolist()
     bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
                  for first, members in zip(_running([0] + [len(m) for m in bins])[:-1], bins)]
-    uniform = max(bin_sizes)
+    if plan_cfg.capacity is not None and max(bin_sizes) > plan_cfg.capacity:
+        b = max(range(len(bins)), key=lambda k: bin_sizes[k])
+        raise PlanError(
+            f"{num_seqs} sequences ({total} padded tokens) do not fit {dp} DP ranks x {num_mb} "
+            f"microbatches of {plan_cfg.capacity} tokens: microbatch {b // dp} of DP rank {b % dp} "
+            f"would hold {bin_sizes[b]}; use more microbatches (a larger global batch) or a larger "
+            "capacity (--seq-length)")
+    if plan_cfg.microbatch_tokens is not None:
+        uniform = plan_cfg.microbatch_tokens
+    else:
+        uniform = max(bin_sizes) if plan_cfg.uniform_microbatch_tokens else None
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
     start, first = 0, 0
@@ -299,9 +319,9 @@ def plan_step(
         part = slice(start // cp, (start + size) // cp)
         start += size
         bin_tokens[rank][mb] = size
-        extra = uniform - size if plan_cfg.uniform_microbatch_tokens else 0
+        extra = uniform - size if uniform is not None else 0
         if extra and cp > 1:
-            raise PlanError("uniform_microbatch_tokens with cp_size > 1 is not supported: the extra "
+            raise PlanError("padding microbatches to one length with cp_size > 1 is not supported: the extra "
                             "padding would not follow the CP chunk layout")
         cut = {k: (None if v is None else v[part]) for k, v in layout.items()}
         w = layout_weights[part]
@@ -353,7 +373,7 @@ def _choose_microbatches(padded: list, cfg: PlanConfig) -> int:
         if cfg.num_microbatches < 1:
             raise PlanError(f"num_microbatches must be >= 1; got {cfg.num_microbatches}")
         return cfg.num_microbatches
-    cap = cfg.max_tokens_per_microbatch
+    cap = cfg.capacity
     if cap is None:
         return 1
     num_mb = max(1, -(-sum(padded) // (cfg.dp_size * cap)))

@@ -38,7 +38,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["ThdDotProductAttention", "packed_attention_mask"]
+__all__ = ["ThdDotProductAttention", "packed_attention_mask", "use_thd_core_attention"]
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -111,3 +111,21 @@ class ThdDotProductAttention(DotProductAttention):
             mask = mask | attention_mask.to(torch.bool)
         out = super().forward(query, key, value, mask, attn_mask_type, attention_bias)
         return out.squeeze(1) if squeezed else out
+
+
+def use_thd_core_attention(model: torch.nn.Module) -> int:
+    """Give every local-spec core attention of a built model packed-THD boundaries; returns how
+    many were converted (0 with Transformer Engine's attention, which handles THD itself).
+
+    Why the class of built instances: Megatron-LM's ``gpt_builder`` picks the layer spec from
+    its flags (normalisation, QK layernorm, experts, ...) and offers no hook for the core
+    attention but ``--spec``, a fixed object that would ignore those flags. The subclass adds no
+    state and no parameter (it only builds the block-diagonal mask before the upstream forward),
+    so switching the class of an exact ``DotProductAttention`` keeps everything the flags chose.
+    """
+    converted = 0
+    for module in model.modules():
+        if type(module) is DotProductAttention:
+            module.__class__ = ThdDotProductAttention
+            converted += 1
+    return converted

@@ -401,6 +401,7 @@ def train(args) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from .losses import REPORT_KEYS
     from .megatron_loss import check_megatron_config, make_forward_step
     from .model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp
     from .planner import PlanConfig, plan_step
@@ -484,7 +485,7 @@ def train(args) -> dict:
             micro_batch_size=1, forward_only=False,
         )
         # step-level reductions (never per microbatch): report pairs and a finiteness flag
-        names = ("objective", "pg_loss", "clip_fraction", "ratio", "kl", "entropy")
+        names = REPORT_KEYS
         pairs = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
         if last_stage:
             for report in store:

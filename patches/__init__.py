@@ -10,6 +10,13 @@ Patches
     buffers, synchronisation, causal mask, RNG tracker and ``Tensor.cuda()`` (tied embeddings,
     PP > 1) to the CPU. CPU-only: refuses to apply when CUDA is available. Targets and reasons are
     listed in its module docstring.
+    ``megatron_lm_cpu`` (:mod:`.megatron_lm_cpu`), the same range with a Megatron-LM
+    core_v0.16.x checkout: lets Megatron-LM's own ``pretrain()`` run on CPU (device-'cuda'
+    counters, streams, memory stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a
+    stand-in for the one triton-importing module). CPU-only.
+    ``megatron_lm_log`` (:mod:`.megatron_lm_log`), same range: wraps Megatron-LM's
+    ``training_log`` to hand each iteration's reduced report to registered observers (its console
+    drops values that are not > 0). Any device.
 
 Usage::
 
@@ -20,7 +27,7 @@ Usage::
 """
 from __future__ import annotations
 
-from . import _machinery, cpu_gloo
+from . import _machinery, cpu_gloo, megatron_lm_cpu, megatron_lm_log
 from ._machinery import Patch, Target, is_applied
 
 __all__ = [
@@ -33,17 +40,23 @@ __all__ = [
     "revert_megatron_patches",
 ]
 
-PATCHES: dict[str, Patch] = {cpu_gloo.NAME: cpu_gloo.PATCH}
+PATCHES: dict[str, Patch] = {
+    cpu_gloo.NAME: cpu_gloo.PATCH,
+    megatron_lm_cpu.NAME: megatron_lm_cpu.PATCH,
+    megatron_lm_log.NAME: megatron_lm_log.PATCH,
+}
 """Every known patch, by name, in application order."""
 
 
-def apply_megatron_patches(*, cpu_gloo: bool = True) -> list[str]:
+def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
+                           megatron_lm_log: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
-    Each patch checks the megatron-core version and its targets before touching anything, so a
-    failure raises ``RuntimeError`` with megatron-core unchanged by that patch.
+    Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
+    release) and its targets before touching anything, so a failure raises ``RuntimeError`` with
+    megatron-core and Megatron-LM unchanged by that patch.
     """
-    wanted = {"cpu_gloo": cpu_gloo}
+    wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

@@ -15,6 +15,12 @@ class itself (not inherited), so that revert can restore it exactly.
 
 Applying sets, on every replacement, ``__wrapped__ = original`` (``functools.update_wrapper``
 for functions) and the marker attribute ``_megatron_pg_agg_patch = <patch name>``.
+
+A patch may also carry :class:`StandIn` modules: a module that cannot be imported on this machine
+(it imports a GPU-only package at its top) and that a target module imports by name. The
+stand-in is put in ``sys.modules`` only when importing the real module fails with the named
+missing package, before the targets are resolved; revert removes it again. Where the real module
+imports (the package is installed), nothing is stood in.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -50,6 +57,18 @@ class Target:
 
 
 @dataclass(frozen=True)
+class StandIn:
+    """A module put in ``sys.modules`` in place of one that cannot be imported here."""
+
+    module: str
+    missing: str
+    """The top-level package whose absence makes the real module unimportable (e.g. ``triton``);
+    any other import error is raised, not hidden."""
+    make: Callable[[str], types.ModuleType]
+    """``make(module name) -> module``; called once per apply, only when the stand-in is needed."""
+
+
+@dataclass(frozen=True)
 class Patch:
     """A named runtime patch of megatron-core (see the module docstring)."""
 
@@ -60,6 +79,12 @@ class Patch:
     targets: tuple[Target, ...]
     precondition: Optional[Callable[[], None]] = None
     """Called before anything is touched; raises (with a clear message) to refuse the patch."""
+    stand_ins: tuple[StandIn, ...] = ()
+    """Modules stood in (see the module docstring) before the targets are resolved."""
+    verify: Optional[Callable[[], None]] = None
+    """Called after the stand-ins are in place and before the targets are resolved: checks the
+    patched library's own release where its version is not a distribution's (a Megatron-LM
+    checkout); raises to refuse the patch (the stand-ins are then removed again)."""
 
     def __post_init__(self) -> None:
         SpecifierSet(self.supported)  # fail at definition time on a malformed range
@@ -75,8 +100,16 @@ class _Installed:
     replacement: Any
 
 
+@dataclass
+class _StoodIn:
+    name: str
+    module: types.ModuleType
+
+
 _APPLIED: dict[str, list[_Installed]] = {}
 """Patch name -> what it replaced, in application order. The single source of truth."""
+_STOOD_IN: dict[str, list[_StoodIn]] = {}
+"""Patch name -> the stand-in modules it put in ``sys.modules``."""
 
 
 def installed_megatron_core_version() -> str:
@@ -163,22 +196,31 @@ def applied() -> list[str]:
 def apply(patch: Patch) -> bool:
     """Apply ``patch``; return False if it was already applied (a no-op), True otherwise.
 
-    Order: version check, precondition, resolve every target; only then replace. Any failure in
-    the first three steps leaves megatron-core untouched.
+    Order: version check, precondition, stand-ins, verify, resolve every target; only then
+    replace. Any failure before the replacement leaves megatron-core untouched (stand-ins put in
+    place by this call are removed again).
     """
     if patch.name in _APPLIED:
         return False
     check_version(patch)
     if patch.precondition is not None:
         patch.precondition()
-    resolved = [_resolve(t, patch.name) for t in patch.targets]
-    for target, (_, _, current) in zip(patch.targets, resolved):
-        other = getattr(current, MARKER, None)
-        if other is not None:
-            raise RuntimeError(
-                f"patch {patch.name!r}: {target.qualname} is already replaced by patch "
-                f"{other!r}; two patches may not wrap the same attribute. Nothing was patched."
-            )
+    stood_in = _stand_in(patch)
+    try:
+        if patch.verify is not None:
+            patch.verify()
+        resolved = [_resolve(t, patch.name) for t in patch.targets]
+        for target, (_, _, current) in zip(patch.targets, resolved):
+            other = getattr(current, MARKER, None)
+            if other is not None:
+                raise RuntimeError(
+                    f"patch {patch.name!r}: {target.qualname} is already replaced by patch "
+                    f"{other!r}; two patches may not wrap the same attribute. Nothing was patched."
+                )
+    except BaseException:
+        _remove_stand_ins(stood_in)
+        raise
+    _STOOD_IN[patch.name] = stood_in
     replacements = [t.make(current) for t, (_, _, current) in zip(patch.targets, resolved)]
     installed: list[_Installed] = []
     for (owner, leaf, current), replacement in zip(resolved, replacements):
@@ -211,4 +253,44 @@ def revert(patch: Patch | str) -> bool:
     for item in reversed(installed):
         setattr(item.owner, item.attr, item.original)
     del _APPLIED[name]
+    _remove_stand_ins(_STOOD_IN.pop(name, []))
     return True
+
+
+def _stand_in(patch: Patch) -> list[_StoodIn]:
+    """Import each stand-in's real module; where it fails for the named missing package only,
+    put the stand-in in ``sys.modules`` (and on its parent package). Returns what was stood in."""
+    done: list[_StoodIn] = []
+    for item in patch.stand_ins:
+        try:
+            importlib.import_module(item.module)
+            continue
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] != item.missing:
+                _remove_stand_ins(done)
+                raise RuntimeError(
+                    f"patch {patch.name!r}: {item.module} cannot be imported ({exc}), and not for "
+                    f"the missing {item.missing!r} that its stand-in replaces. Nothing was patched."
+                ) from exc
+        module = item.make(item.module)
+        setattr(module, MARKER, patch.name)
+        sys.modules[item.module] = module
+        parent, _, leaf = item.module.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], leaf, module)
+        done.append(_StoodIn(item.module, module))
+    return done
+
+
+def _remove_stand_ins(stood_in: list[_StoodIn]) -> None:
+    for item in reversed(stood_in):
+        if sys.modules.get(item.name) is item.module:
+            del sys.modules[item.name]
+        parent, _, leaf = item.name.rpartition(".")
+        if parent in sys.modules and getattr(sys.modules[parent], leaf, None) is item.module:
+            delattr(sys.modules[parent], leaf)
+
+
+def stood_in(patch: Patch | str) -> list[str]:
+    """Names of the modules an applied patch stood in (empty where the real ones imported)."""
+    return [item.name for item in _STOOD_IN.get(patch if isinstance(patch, str) else patch.name, [])]

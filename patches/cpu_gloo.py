@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy
 from ._machinery import Patch, Target
 
 NAME = "cpu_gloo"
@@ -96,99 +97,6 @@ TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.clip_grads",  # grad-norm buffers
 )
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
-_CPU = torch.device("cpu")
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":", 1)[0] == "cuda"
-    # torch reads a bare int device as a CUDA ordinal
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-def _device_to_cpu(fn):
-    """Wrap a torch factory so that a CUDA ``device`` keyword lands on the CPU."""
-
-    def factory(*args, **kwargs):
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        return fn(*args, **kwargs)
-
-    factory.__name__ = getattr(fn, "__name__", "factory")
-    factory.__wrapped__ = fn
-    return factory
-
-
-class _RandomOnCpu:
-    """``torch.cuda.random`` as seen by the RNG module: its state is the CPU generator's."""
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-
-    @staticmethod
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_real":  # not constructed yet (copy/pickle): never recurse
-            raise AttributeError(name)
-        return getattr(self._real, name)
-
-
-class _CudaOnCpu:
-    """``torch.cuda`` as seen by one megatron module: the current device is the CPU."""
-
-    def __init__(self, real: Any, rng: bool) -> None:
-        self._real = real
-        if rng:
-            self.get_rng_state = _RandomOnCpu.get_rng_state
-            self.manual_seed = torch.manual_seed
-            self.random = _RandomOnCpu(real.random)
-
-    @staticmethod
-    def current_device() -> torch.device:
-        return _CPU
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_real":  # not constructed yet (copy/pickle): never recurse
-            raise AttributeError(name)
-        return getattr(self._real, name)
-
-    def __repr__(self) -> str:
-        return f"<cpu_gloo proxy of {self._real!r}>"
-
-
-class _TorchOnCpu:
-    """``torch`` as seen by one megatron module; everything else delegates to the real torch."""
-
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
-
-    def __init__(self, real: Any, rng: bool = False) -> None:
-        self._real = real
-        self.cuda = _CudaOnCpu(real.cuda, rng)
-        for name in self._FACTORIES:
-            setattr(self, name, _device_to_cpu(getattr(real, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_real":  # not constructed yet (copy/pickle): never recurse
-            raise AttributeError(name)
-        return getattr(self._real, name)
-
-    def __repr__(self) -> str:
-        return f"<cpu_gloo proxy of {self._real!r}>"
-
-
-def _make_torch_proxy(rng: bool):
-    def make(original: Any) -> _TorchOnCpu:
-        return _TorchOnCpu(original, rng=rng)
-
-    return make
 
 
 def _make_set_rng_state(original):
@@ -201,15 +109,6 @@ def _make_set_rng_state(original):
         return None
 
     return _set_cuda_rng_state
-
-
-class _TensorCudaIsIdentity(TorchFunctionMode):
-    """Inside this mode ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.cuda:
-            return args[0]
-        return func(*args, **(kwargs or {}))
 
 
 def _make_setup_embeddings(original):
@@ -288,7 +187,7 @@ PATCH = Patch(
     why=__doc__,
     precondition=_require_cpu_only,
     targets=tuple(
-        Target(m, "torch", _make_torch_proxy(rng=(m == _RNG_MODULE))) for m in TORCH_PROXY_MODULES
+        Target(m, "torch", make_torch_proxy(rng=(m == _RNG_MODULE))) for m in TORCH_PROXY_MODULES
     )
     + (
         Target(_RNG_MODULE, "_set_cuda_rng_state", _make_set_rng_state),

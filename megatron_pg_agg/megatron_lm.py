@@ -1,0 +1,445 @@
+"""The policy-gradient actor inside Megatron-LM's own training loop (``pretrain()``).
+
+``launch/pretrain_actor.py`` is the torchrun entry point; this module holds its pieces. Megatron-LM
+owns the loop, the model flags, checkpoints (``--save``/``--load``), LR schedule, logging and
+TensorBoard; the project adds only what the objective needs:
+
+* flags (``extra_args_provider``): the ``--pg-*`` loss flags, ``--pg-rollouts FILE`` (the rollout
+  JSONL format; default: the built-in synthetic set), ``--pg-metrics-file FILE``;
+* a model provider: Megatron-LM's own ``model_provider(gpt_builder, ...)``, so every model flag
+  works; without Transformer Engine (CPU) the local spec's core attention is given packed-THD
+  boundaries (:func:`megatron_pg_agg.thd_attention.use_thd_core_attention`);
+* a data provider (``--dataloader-type external``): per optimizer step, rollout step
+  ``iteration mod (number of steps)`` is planned on the host (:func:`~megatron_pg_agg.planner.plan_step`)
+  into exactly ``get_num_microbatches()`` THD microbatches per DP rank of at most ``--seq-length``
+  tokens (padded to exactly ``--seq-length`` with PP > 1: Megatron-LM's p2p buffers have that
+  shape); the step weights are computed once per step before the split;
+* the forward step and loss function of :mod:`megatron_pg_agg.megatron_loss` (the 3-tuple
+  per-token contract that ``--calculate-per-token-loss`` turns on);
+* start-up checks that exit with status 2 listing every problem, before the first step;
+* one console line per logged iteration (Megatron-LM's own console drops values that are not
+  > 0, so a negative objective vanishes there), TensorBoard scalars through Megatron-LM's writer,
+  and ``--pg-metrics-file`` JSON lines.
+
+Iteration ``i`` (0-based) trains on rollout step ``i mod S``: the data position is Megatron-LM's
+iteration counter, restored by its ``--load``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+ENV_CHECKOUT = "MEGATRON_LM_PATH"
+PG_PREFIX = "[pg]"
+
+
+class StartupError(ValueError):
+    """A run refused before its first step (exit status 2); the message lists every problem."""
+
+
+def _say(message: str) -> None:
+    """One line on rank 0's stderr (every rank reaches the same conclusions)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PG_PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the checkout
+
+
+def find_checkout(argv: list) -> str:
+    """The Megatron-LM root from ``--megatron-lm PATH`` (or ``=PATH``), else ``$MEGATRON_LM_PATH``.
+
+    Raises StartupError when neither names a directory holding ``megatron/training``."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--megatron-lm" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--megatron-lm="):
+            path = arg.split("=", 1)[1]
+    source = "--megatron-lm"
+    if path is None:
+        path, source = os.environ.get(ENV_CHECKOUT), ENV_CHECKOUT
+    if not path:
+        raise StartupError(f"no Megatron-LM checkout: pass --megatron-lm PATH or set {ENV_CHECKOUT} "
+                           "(a core_v0.16.x checkout of NVIDIA Megatron-LM)")
+    root = os.path.abspath(path)
+    if not os.path.isdir(os.path.join(root, "megatron", "training")):
+        raise StartupError(f"{source} {path}: no megatron/training there; expected the root of a "
+                           "Megatron-LM core_v0.16.x checkout")
+    return root
+
+
+def use_checkout(root: str) -> None:
+    """Put the checkout first on ``sys.path``: ``megatron.training`` and the top-level
+    ``model_provider``/``gpt_builders`` come from it (``megatron`` is a namespace package, so the
+    installed megatron-core still supplies ``megatron.core`` where the checkout has none)."""
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def add_actor_args(parser):
+    """``extra_args_provider`` of the entry point: the ``--pg-*`` loss flags and the data flags.
+
+    ``--eval-iters`` defaults to 0 here: an RL actor step has no validation set (a value > 0 is
+    refused at start-up); ``--eval-interval`` gets a default because Megatron-LM's sample count
+    divides by it even when nothing is evaluated."""
+    from .args import add_pg_agg_args
+
+    add_pg_agg_args(parser)
+    group = parser.add_argument_group("policy-gradient data (megatron_pg_agg)")
+    group.add_argument("--pg-rollouts", default=None, metavar="FILE",
+                       help="rollout JSON Lines (README: schema); default: the built-in synthetic set")
+    group.add_argument("--pg-metrics-file", default=None, metavar="FILE",
+                       help="append one JSON record per iteration (rank 0)")
+    group.add_argument("--megatron-lm", default=None, metavar="PATH",
+                       help=f"Megatron-LM checkout root (else ${ENV_CHECKOUT})")
+    parser.set_defaults(eval_iters=0, eval_interval=1000)
+    return parser
+
+
+def startup_problems(args, *, cuda: bool) -> list:
+    """Every problem in the parsed Megatron-LM flags that would make the objective wrong or the
+    run fail later; empty when the run may start. Pure: reads ``args`` only."""
+    problems = []
+    if not args.calculate_per_token_loss:
+        problems.append(
+            "--calculate-per-token-loss is missing: without it Megatron-LM divides each microbatch's "
+            "loss by its own count and averages the microbatch means, which is not the chosen "
+            "aggregation (it trains silently with different gradients). Add --calculate-per-token-loss.")
+    if args.dataloader_type not in (None, "external"):
+        problems.append(
+            f"--dataloader-type {args.dataloader_type}: the actor's microbatches come from the rollout "
+            "planner as an external iterator; drop the flag (it is set to external) or pass "
+            "--dataloader-type external.")
+    if args.micro_batch_size != 1:
+        problems.append(
+            f"--micro-batch-size {args.micro_batch_size}: rollouts are packed as THD, one row of at most "
+            "--seq-length tokens per microbatch; use --micro-batch-size 1 and raise --seq-length.")
+    if args.eval_iters:
+        problems.append(f"--eval-iters {args.eval_iters}: the actor has no validation set; use --eval-iters 0.")
+    if args.train_iters is None:
+        problems.append("--train-iters is required (one iteration = one optimizer step = one rollout step).")
+    if getattr(args, "ddp_average_in_collective", False):
+        problems.append("--ddp-average-in-collective averages gradients over DP before the division by "
+                        "the global weight; drop it.")
+    if args.num_experts and (args.moe_aux_loss_coeff or args.moe_z_loss_coeff):
+        problems.append("--num-experts with --moe-aux-loss-coeff/--moe-z-loss-coeff > 0: under "
+                        "--calculate-per-token-loss the router losses are scaled by the routed tokens "
+                        "over the step weight (not supported yet); set both coefficients to 0.")
+    if args.mtp_num_layers:
+        problems.append("--mtp-num-layers (multi-token prediction) is not supported yet: its loss is a "
+                        "token sum per microbatch outside the chosen aggregation.")
+    if args.pg_rollouts is not None and not os.path.isfile(args.pg_rollouts):
+        problems.append(f"--pg-rollouts {args.pg_rollouts}: no such file.")
+    if not cuda:
+        cpu_needs = [
+            (args.distributed_backend != "gloo", "--distributed-backend gloo"),
+            (args.transformer_impl != "local", "--transformer-impl local (Transformer Engine needs CUDA)"),
+            (args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
+            (not args.no_persist_layer_norm, "--no-persist-layer-norm"),
+            (args.bf16 or args.fp16, "no --bf16/--fp16 (megatron-core's mixed-precision optimizer wraps CUDA tensors only)"),
+            (args.context_parallel_size > 1, "--context-parallel-size 1 (CP attention needs Transformer Engine)"),
+            (args.sequence_parallel, "no --sequence-parallel (the local spec's torch norms refuse it)"),
+        ]
+        wrong = [fix for bad, fix in cpu_needs if bad]
+        if wrong:
+            problems.append("on CPU (no CUDA) Megatron-LM needs: " + "; ".join(wrong) + ".")
+    return problems
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class PlannedMicrobatch:
+    """One item of the data iterator: a THD microbatch and its step's host totals."""
+
+    microbatch: "object"  # planner.Microbatch
+    totals: "object"  # losses.StepTotals
+    iteration: int
+    """0-based iteration (optimizer step) the microbatch belongs to."""
+
+
+class RolloutFeed:
+    """The rollout steps of a run, planned per iteration on the host (identically on every rank).
+
+    ``steps`` maps a step key to its :class:`~megatron_pg_agg.rollouts.RolloutBatch`; iteration
+    ``i`` trains on ``steps[keys[i mod S]]``."""
+
+    def __init__(self, steps: dict, loss_cfg, plan_cfg, *, dp_rank: int, cp_rank: int):
+        self.steps, self.keys = steps, sorted(steps)
+        self.loss_cfg, self.plan_cfg = loss_cfg, plan_cfg
+        self.dp_rank, self.cp_rank = dp_rank, cp_rank
+        self._plans: dict = {}
+
+    def step_key(self, iteration: int):
+        return self.keys[iteration % len(self.keys)]
+
+    def plan(self, iteration: int):
+        """The plan of ``iteration`` (each rollout step is planned once and kept)."""
+        from .planner import plan_step
+
+        key = self.step_key(iteration)
+        if key not in self._plans:
+            self._plans[key] = plan_step(self.steps[key], self.loss_cfg, self.plan_cfg, cp_rank=self.cp_rank)
+        return self._plans[key]
+
+    def problems(self) -> list:
+        """Plan every step once (vocabulary, capacity, microbatch count), listing each failure."""
+        from .rollouts import PlanError
+
+        found = []
+        for i, key in enumerate(self.keys):
+            try:
+                self.plan(i)
+            except PlanError as err:
+                found.append(f"rollout step {key}: {err}")
+        return found
+
+    def microbatches(self, start_iteration: int) -> Iterator[PlannedMicrobatch]:
+        """This rank's microbatches, iteration after iteration, from ``start_iteration`` on."""
+        iteration = start_iteration
+        while True:
+            plan = self.plan(iteration)
+            for mb in plan.for_rank(self.dp_rank):
+                yield PlannedMicrobatch(mb, plan.totals, iteration)
+            iteration += 1
+
+
+def load_steps(args) -> dict:
+    """``{step: RolloutBatch}`` from ``--pg-rollouts`` (format errors: StartupError) or the built-in
+    synthetic set (vocabulary ``--vocab-size``, seeded by ``--seed``)."""
+    from .rollouts import PlanError, RolloutBatch
+
+    if args.pg_rollouts is None:
+        from .trainer import synthetic_rollouts
+
+        if args.vocab_size is None:
+            raise StartupError("the built-in synthetic rollouts need --vocab-size (or pass --pg-rollouts FILE)")
+        steps = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)
+    else:
+        from .rollout_io import RolloutFormatError, load_rollouts
+
+        try:
+            steps = load_rollouts(args.pg_rollouts, require_ref=args.pg_kl_coef > 0)
+        except RolloutFormatError as err:
+            raise StartupError(str(err)) from err
+    try:
+        return {key: RolloutBatch.from_rollouts(rollouts) for key, rollouts in steps.items()}
+    except PlanError as err:
+        raise StartupError(str(err)) from err
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class Actor:
+    """The providers handed to ``pretrain()`` and the per-iteration log, for one run.
+
+    Built on every rank before ``pretrain()``; the data feed is built when Megatron-LM asks for
+    data (after the model, the optimizer and ``--load``), so it starts at the loaded iteration."""
+
+    def __init__(self, args, steps: dict, *, cuda: bool):
+        from .args import config_from_args
+
+        self.loss_cfg = config_from_args(args)
+        self.steps, self.cuda = steps, cuda
+        self.feed: Optional[RolloutFeed] = None
+        self.metrics_path = args.pg_metrics_file
+        self._checked_config = False
+
+    # Megatron-LM's model provider, with the THD core attention where TE is not used
+    def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+        from gpt_builders import gpt_builder
+        from model_provider import model_provider
+
+        from .thd_attention import use_thd_core_attention
+
+        model = model_provider(gpt_builder, pre_process, post_process, vp_stage, config=config,
+                               pg_collection=pg_collection)
+        use_thd_core_attention(model)
+        return model
+
+    def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
+        """``(train iterator, None, None)``; one iterator per call (one per virtual stage)."""
+        if self.feed is None:
+            self.feed = self._build_feed()
+        from megatron.training import get_args
+
+        return self.feed.microbatches(get_args().iteration), None, None
+
+    datasets_provider.is_distributed = True  # every rank (TP ranks too) builds its own iterator
+
+    def _build_feed(self) -> RolloutFeed:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+
+        from .planner import PlanConfig
+
+        args = get_args()
+        pp = args.pipeline_model_parallel_size
+        plan_cfg = PlanConfig(
+            dp_size=mpu.get_data_parallel_world_size(),
+            num_microbatches=get_num_microbatches(),
+            tp_size=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            cp_size=args.context_parallel_size,
+            vocab_size=args.padded_vocab_size,
+            microbatch_tokens=args.seq_length if pp > 1 else None,
+            max_tokens_per_microbatch=args.seq_length,
+        )
+        feed = RolloutFeed(self.steps, self.loss_cfg, plan_cfg, dp_rank=mpu.get_data_parallel_rank(),
+                           cp_rank=mpu.get_context_parallel_rank())
+        problems = feed.problems()
+        if problems:
+            raise StartupError(
+                "refusing to start: the rollouts do not fit Megatron-LM's flags (padded vocabulary "
+                f"{args.padded_vocab_size}, {plan_cfg.num_microbatches} microbatches of at most "
+                f"{args.seq_length} tokens per DP rank):\n- " + "\n- ".join(problems))
+        if mpu.get_data_parallel_rank() == 0 and args.rank == 0:
+            _say(f"{len(feed.keys)} rollout steps, mode={self.loss_cfg.canonical_mode}, "
+                 f"{plan_cfg.num_microbatches} microbatches x DP {plan_cfg.dp_size} per step, "
+                 f"starting at iteration {args.iteration} (rollout step {feed.step_key(args.iteration)})")
+        return feed
+
+    def forward_step(self, data_iterator, model):
+        """Megatron-LM forward step: the next planned microbatch through the model, and the
+        per-token loss function with that step's host totals."""
+        from functools import partial
+
+        from megatron.core import parallel_state as mpu
+
+        from .megatron_loss import forward_microbatch, pg_loss_func
+
+        if not self._checked_config:
+            self._check_config(model)
+        item = next(data_iterator)
+        mb = item.microbatch.to("cuda") if self.cuda else item.microbatch
+        output = forward_microbatch(model, mb)
+        return output, partial(pg_loss_func, mb, self.loss_cfg, item.totals,
+                               mpu.get_tensor_model_parallel_group())
+
+    def _check_config(self, model) -> None:
+        """The real model config and DDP config Megatron-LM built, checked before the first
+        microbatch (``finalize_model_grads_func`` is set by ``train()``, after the providers)."""
+        from megatron.core.utils import get_model_config
+
+        from .megatron_loss import MegatronConfigError, check_megatron_config
+
+        try:
+            check_megatron_config(get_model_config(model), getattr(model, "ddp_config", None))
+        except MegatronConfigError as err:
+            raise StartupError(f"refusing to start: {err}") from err
+        self._checked_config = True
+
+    def on_training_log(self, event) -> None:
+        """Every rank, every iteration: share the step's reduced report from the last pipeline
+        stage (one small broadcast), then rank 0 prints, appends JSON, and the rank holding
+        Megatron-LM's TensorBoard writer writes scalars."""
+        import torch
+        import torch.distributed as dist
+        from megatron.training import get_args, get_tensorboard_writer
+
+        from .losses import REPORT_KEYS
+
+        args = get_args()
+        values = torch.tensor([float(event.loss_dict[k]) if k in event.loss_dict else math.nan
+                               for k in REPORT_KEYS], dtype=torch.float64,
+                              device="cuda" if self.cuda else "cpu")
+        dist.broadcast(values, src=dist.get_world_size() - 1)
+        record = {"iteration": event.iteration}
+        for key, value in zip(REPORT_KEYS, values.tolist()):
+            record[key] = None if math.isnan(value) else value
+        totals = self.feed.plan(event.iteration - 1).totals
+        if record["objective"] is None and totals.pg_weight == 0:
+            record["objective"] = 0.0  # W = 0: J = 0 by the contract (the report pair is 0 / 0)
+        record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens,
+                      rollout_step=self.feed.step_key(event.iteration - 1), grad_norm=event.grad_norm,
+                      learning_rate=event.learning_rate, skipped=bool(event.skipped_iter))
+        writer = get_tensorboard_writer()
+        if writer and event.iteration % args.tensorboard_log_interval == 0:
+            for key in ("weight", "valid_tokens", *REPORT_KEYS):
+                if record.get(key) is not None:
+                    writer.add_scalar(f"pg/{key}", record[key], event.iteration)
+        if dist.get_rank() != 0:
+            return
+        if event.iteration % args.log_interval == 0 or event.iteration == args.train_iters:
+            shown = " | ".join(f"{k} {record[k]:.6g}" for k in
+                               ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm")
+                               if record.get(k) is not None)
+            _say(f"iteration {event.iteration}/{args.train_iters} | {shown}")
+        if self.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _single_process_defaults() -> None:
+    """Outside torchrun, a one-process run: rank 0 of 1 on a free local port."""
+    if "RANK" in os.environ:
+        return
+    from .parallel import free_port
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+
+
+def run(argv: list) -> int:
+    """Check, then hand the run to Megatron-LM's ``pretrain()``. Returns the exit status."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    root = find_checkout(argv)
+    use_checkout(root)
+    from megatron_pg_agg.patches import apply_megatron_patches
+
+    from .patches._megatron_lm_release import UnsupportedMegatronLM
+
+    try:
+        apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True)
+    except (UnsupportedMegatronLM, RuntimeError) as err:
+        raise StartupError(f"refusing to start: {err}") from err
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.arguments import parse_args
+
+    sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv
+    args = parse_args(add_actor_args)
+    problems = startup_problems(args, cuda=cuda)
+    if problems:
+        raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+    steps = load_steps(args)  # format errors before any process group
+    if args.dataloader_type is None:
+        _say("--dataloader-type external (set: the planner feeds the microbatches)")
+    actor = Actor(args, steps, cuda=cuda)
+    from megatron_pg_agg.patches import megatron_lm_log
+
+    megatron_lm_log.add_observer(actor.on_training_log)
+    try:
+        pretrain(actor.datasets_provider, actor.model_provider, ModelType.encoder_or_decoder,
+                 actor.forward_step, extra_args_provider=add_actor_args,
+                 args_defaults={"dataloader_type": "external"})
+    finally:
+        megatron_lm_log.remove_observer(actor.on_training_log)
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _single_process_defaults()
+    try:
+        return run(argv)
+    except StartupError as err:
+        _say(str(err) if str(err).startswith("refusing") else f"refusing to start: {err}")
+        return 2
