@@ -34,6 +34,9 @@ Rules, and why:
   Python's ``json`` writes. A non-finite ``advantages``/``old_logprobs``/``ref_logprobs`` entry
   is an error where ``loss_mask`` is 1 and is loaded as 0.0 where it is 0 (masked positions carry
   no signal, but a NaN there would still poison gradients downstream);
+* ``old_logprobs``/``ref_logprobs`` entries are log-probabilities: one above ``1e-4`` (float
+  noise around 0 is allowed) where ``loss_mask`` is 1 is an error, since it is a probability above
+  1 (a sign or unit mix-up upstream); masked positions are not checked;
 * a step whose responses have no valid token at all is allowed (it has weight 0);
   a file with no rollouts at all is an error.
 
@@ -63,6 +66,7 @@ from collections.abc import Sequence
 from typing import Callable, NoReturn, Optional, Union
 
 from .planner import Rollout
+from .rollouts import LOGPROB_TOLERANCE
 
 __all__ = ["RolloutFormatError", "load_rollouts", "write_rollouts"]
 
@@ -75,6 +79,7 @@ _KNOWN_SET = frozenset(KNOWN_FIELDS)
 _INT = {int}
 _NUMBER = {int, float}
 _BITS = {0, 1}
+_LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs")
 
 
 class RolloutFormatError(ValueError):
@@ -226,7 +231,8 @@ def _to_floats(values: list) -> list:
 
 
 def _check_numbers(record: dict, name: str, loss_mask: list, fail: Fail) -> list:
-    """Per-token numbers as floats; non-finite is an error at valid positions, 0.0 elsewhere."""
+    """Per-token numbers as floats; non-finite is an error at valid positions, 0.0 elsewhere, and
+    so is a log-prob above ``LOGPROB_TOLERANCE`` at a valid position (``name`` a log-prob field)."""
     values = _check_list(record, name, "numbers", fail)
     _check_length(name, values, len(loss_mask), fail)
     types = set(map(type, values))
@@ -243,6 +249,12 @@ def _check_numbers(record: dict, name: str, loss_mask: list, fail: Fail) -> list
                     fail(name, f"{name}[{j}] is {shown} where loss_mask is 1; expected a finite number "
                                "(non-finite values are only allowed, and loaded as 0.0, where loss_mask is 0)")
                 floats[j] = 0.0
+    if name in _LOGPROB_FIELDS and floats and max(floats) > LOGPROB_TOLERANCE:
+        # masked positions may hold anything: only a valid one is at fault
+        j = next((k for k, (v, m) in enumerate(zip(floats, loss_mask)) if m and v > LOGPROB_TOLERANCE), None)
+        if j is not None:
+            fail(name, f"{name}[{j}] is {values[j]!r} where loss_mask is 1; expected a log-probability <= 0 "
+                       f"(above 0 is a probability above 1; up to {LOGPROB_TOLERANCE:g} is allowed as float noise)")
     return floats
 
 

@@ -16,6 +16,11 @@ import torch
 from .aggregation import exclusive_cumsum
 
 
+LOGPROB_TOLERANCE = 1e-4
+"""Largest log-prob accepted at a valid position (``loss_mask`` 1): log p <= 0 up to float noise;
+above it is a probability above 1 (a sign or unit mix-up upstream). Masked positions are not checked."""
+
+
 class PlanError(ValueError):
     """A step that cannot be planned; the message names the rollout and field."""
 
@@ -42,6 +47,11 @@ class Rollout:
     """Per response token: 0 removes a token from the numerator only (filtering); None = loss_mask."""
 
 
+def _positive_logprob(i: int, name: str, j: int, value: float) -> str:
+    return (f"rollout {i}: {name}[{j}]={float(value):.6g} at valid position {j} is above 0 (a probability above 1); "
+            f"expected a log-probability <= 0 (up to {LOGPROB_TOLERANCE:g} is allowed as float noise)")
+
+
 def check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
     """Per-field checks of one record, with messages naming the rollout, field and position."""
     resp = len(r.response_ids)
@@ -65,6 +75,10 @@ def check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
             raise PlanError(f"rollout {i}: non-finite advantages/old_logprobs at valid position {j}")
         if m and r.ref_logprobs is not None and not math.isfinite(r.ref_logprobs[j]):
             raise PlanError(f"rollout {i}: non-finite ref_logprobs at valid position {j}")
+        if m and lp > LOGPROB_TOLERANCE:
+            raise PlanError(_positive_logprob(i, "old_logprobs", j, lp))
+        if m and r.ref_logprobs is not None and r.ref_logprobs[j] > LOGPROB_TOLERANCE:
+            raise PlanError(_positive_logprob(i, "ref_logprobs", j, r.ref_logprobs[j]))
     if r.numerator_mask is not None:
         for j, (n, m) in enumerate(zip(r.numerator_mask, r.loss_mask)):
             if n and not m:
@@ -177,6 +191,14 @@ class RolloutBatch:
                 if bool(bad.any()):
                     i, j = owner(int(bad.int().argmax()))
                     raise PlanError(f"rollout {i}: non-finite {name} at valid position {j}")
+        for name in ("old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None:
+                bad = valid & (t > LOGPROB_TOLERANCE)
+                if bool(bad.any()):
+                    k = int(bad.int().argmax())
+                    i, j = owner(k)
+                    raise PlanError(_positive_logprob(i, name, j, float(t[k])))
         if self.numerator_mask is not None:
             bad = self.numerator_mask & ~valid
             if bool(bad.any()):

@@ -6,6 +6,8 @@ import torch
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
 
+from reference import reference_objective
+
 # The AReaL PR's public fixture and its hand-computed objectives.
 LOSS = [[1, 3, 0, 0], [2, 4, 6, 0], [10, 0, 0, 0]]
 MASK = [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
@@ -56,20 +58,53 @@ def test_token_mean_keeps_dtype_and_is_bitwise_the_bare_masked_mean():
         assert torch.equal(mean, bare), dtype
 
 
+def _reference_grad(mode, kw):
+    """dJ/dloss of the fixture from the independent float64 reference (rows are sequences)."""
+    loss = torch.tensor(LOSS, dtype=torch.float64, requires_grad=True)
+    mask = [bool(m) for row in MASK for m in row]
+    J, _ = reference_objective(loss.reshape(-1), mask, mask, [len(r) for r in LOSS], GROUPS, mode,
+                               kw.get("divisor"))
+    J.backward()
+    return loss.grad
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", list(EXPECTED))
 def test_half_precision_losses(mode, dtype):
+    """LOSS holds small integers, exact in half precision. Results computed in float32 (every mode
+    but token_mean, and weighted_sum always) are float32-accurate; a value or gradient held in the
+    half dtype is the float32 one rounded (one or two roundings: within eps of the dtype, bf16
+    ~7.8e-3, fp16 ~9.8e-4 relative)."""
     value, weight, kw = EXPECTED[mode]
+    half_rel = torch.finfo(dtype).eps
+    mask = torch.tensor(MASK)
     loss = torch.tensor(LOSS, dtype=dtype, requires_grad=True)
-    mean, w = aggregate(loss, torch.tensor(MASK), mode=mode, **kw)
+    mean, w = aggregate(loss, mask, mode=mode, **kw)
     assert int(w) == weight
-    assert float(mean.detach()) == pytest.approx(float(value), rel=1e-2)
+    if mode == "token_mean":  # keeps the loss dtype: an exact integer sum, one rounded division
+        assert mean.dtype == dtype
+        assert float(mean.detach()) == pytest.approx(float(value), rel=half_rel)
+    else:
+        assert mean.dtype == torch.float32
+        assert float(mean.detach()) == pytest.approx(float(value), rel=1e-6)
     mean.backward()
-    assert loss.grad.dtype == dtype and torch.isfinite(loss.grad).all()
-    tw = token_weights(torch.tensor(MASK), mode=mode, **kw)
-    s, c = weighted_sum(loss.detach(), torch.tensor(MASK), tw)
-    assert s.dtype == torch.float32
-    assert float(s / c) == pytest.approx(float(value), rel=1e-2)
+    ref = torch.tensor(LOSS, dtype=torch.float32, requires_grad=True)
+    aggregate(ref, mask, mode=mode, **kw)[0].backward()
+    exact = _reference_grad(mode, kw)  # so a bug shared by every dtype fails too
+    assert torch.allclose(ref.grad.double(), exact, rtol=1e-6, atol=0), (ref.grad, exact)
+    assert loss.grad.dtype == dtype
+    assert torch.allclose(loss.grad.float(), ref.grad, rtol=half_rel, atol=0), (loss.grad, ref.grad)
+
+    tw = token_weights(mask, mode=mode, **kw)
+    loss.grad = ref.grad = None
+    s, c = weighted_sum(loss, mask, tw)
+    assert s.dtype == torch.float32 and int(c) == weight
+    assert float(s.detach() / c) == pytest.approx(float(value), rel=1e-6)
+    s.backward()
+    weighted_sum(ref, mask, tw)[0].backward()
+    assert torch.allclose(ref.grad.double(), exact * weight, rtol=1e-6, atol=0), (ref.grad, exact * weight)
+    assert loss.grad.dtype == dtype
+    assert torch.allclose(loss.grad.float(), ref.grad, rtol=half_rel, atol=0), (loss.grad, ref.grad)
 
 
 @pytest.mark.parametrize("mode", list(EXPECTED))

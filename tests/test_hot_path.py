@@ -97,6 +97,38 @@ def test_runs_on_meta_device_where_values_cannot_be_read(mode):
     assert s.device.type == "meta" and c.dtype == torch.int32 and leaf.grad.shape == leaf.shape
 
 
+def _assert_sum_close(actual, expected, loss, num, weights):
+    """Two float32 sums of the same terms ``c_t * l_t`` in different orders (compiled vs eager)
+    differ by rounding bounded by ~n * eps * sum|terms|, whatever the sum itself is: it may cancel
+    to ~0, where a relative tolerance is meaningless. Far below any wrong coefficient's effect."""
+    terms = torch.where(num, loss.double() * weights.coef.double(), 0.0)
+    atol = terms.numel() * torch.finfo(torch.float32).eps * float(terms.abs().sum())
+    diff = abs(float(actual) - float(expected))
+    assert diff <= atol, f"sums differ by {diff:.3g} > {atol:.3g} (sum|terms| = {float(terms.abs().sum()):.6g})"
+
+
+def _one_term_off(loss, num, weights, factor):
+    """``loss`` with its largest term ``c_t * l_t`` scaled by ``factor``: the sum a coefficient
+    wrong by that factor on that token would give (token_mean's sum never reads c_t)."""
+    k = int(torch.where(num, (loss * weights.coef).abs(), -1.0).argmax())
+    out = loss.clone()
+    out[k] *= factor
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_sum_tolerance_still_catches_a_wrong_coefficient(mode):
+    loss, num, den, cu = _batch()
+    weights = token_weights(num, mode=mode, cu_seqlens=cu, denominator_mask=den, **MODES[mode])
+    rs, _ = weighted_sum(loss, num, weights)
+    _assert_sum_close(weighted_sum(loss.flip(0), num.flip(0), weights[torch.arange(loss.numel() - 1, -1, -1)])[0],
+                      rs, loss, num, weights)  # another summation order passes
+    for factor in (1.01, 1.001):
+        wrong, _ = weighted_sum(_one_term_off(loss, num, weights, factor), num, weights)
+        with pytest.raises(AssertionError, match="sums differ"):
+            _assert_sum_close(wrong, rs, loss, num, weights)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_weighted_sum_compiles_fullgraph_with_backward(mode):
     torch._dynamo.reset()
@@ -109,7 +141,8 @@ def test_weighted_sum_compiles_fullgraph_with_backward(mode):
     ref_leaf = loss.clone().requires_grad_(True)
     rs, rc = weighted_sum(ref_leaf, num, weights)
     rs.backward()
-    assert torch.equal(c, rc) and torch.allclose(s, rs)
+    assert torch.equal(c, rc)
+    _assert_sum_close(s, rs, loss, num, weights)
     assert torch.allclose(leaf.grad, ref_leaf.grad)
 
 
@@ -120,7 +153,8 @@ def test_weighted_sum_compiles_with_inductor():
     compiled = torch.compile(weighted_sum, fullgraph=True)
     s, c = compiled(loss, num, weights, validate=False)
     rs, rc = weighted_sum(loss, num, weights)
-    assert torch.equal(c, rc) and torch.allclose(s, rs)
+    assert torch.equal(c, rc)
+    _assert_sum_close(s, rs, loss, num, weights)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

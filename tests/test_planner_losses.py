@@ -144,7 +144,28 @@ def test_plan_is_deterministic_balanced_and_padded():
         for mb in rank:
             assert all(x % 4 == 0 for x in mb.cu_seqlens_padded.tolist())
             assert (mb.cu_seqlens <= mb.cu_seqlens_padded).all()
-    assert a.stats["microbatch_balance"] >= 1.0 and a.stats["rank_balance"] <= a.stats["microbatch_balance"]
+    # every rollout is placed exactly once, and each bin holds exactly the padded tokens of its
+    # sequences (this CP rank holds 1/cp of them)
+    cp, bins = plan_cfg.cp_size, plan_cfg.dp_size * plan_cfg.num_microbatches
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+    padded = [-(-n // 4) * 4 for n in lengths]
+    placed = [s for rank in a.microbatches for mb in rank for s in mb.sequence_ids]
+    assert sorted(placed) == list(range(len(rollouts))), placed
+    for r, rank in enumerate(a.microbatches):
+        for m, mb in enumerate(rank):
+            ids = mb.sequence_ids
+            assert a.bin_tokens[r][m] == sum(padded[s] for s in ids) == int(mb.cu_seqlens_padded[-1]), (r, m)
+            assert torch.diff(mb.cu_seqlens_padded).tolist() == [padded[s] for s in ids]
+            assert torch.diff(mb.cu_seqlens).tolist() == [lengths[s] for s in ids]
+            assert mb.num_tokens * cp == a.bin_tokens[r][m]
+    # balance: the bin loads are those of a longest-first greedy onto the lightest bin computed
+    # here independently (its multiset of loads does not depend on how ties are broken)
+    greedy = [0] * bins
+    for n in sorted(padded, reverse=True):
+        greedy[greedy.index(min(greedy))] += n
+    loads = [t for row in a.bin_tokens for t in row]
+    assert sorted(loads) == sorted(greedy), (loads, greedy)
+    assert a.stats["microbatch_balance"] == pytest.approx(max(greedy) / (sum(greedy) / bins))
     # the weights were computed for the whole step: a prompt group lands in several microbatches
     where = {}
     for r, rank in enumerate(a.microbatches):

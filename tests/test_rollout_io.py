@@ -148,6 +148,64 @@ def test_bad_line_is_named(tmp_path, bad, field, words, kwargs):
         assert word in str(excinfo.value), (word, str(excinfo.value))
 
 
+PER_TOKEN_FIELDS = ["loss_mask", "numerator_mask", "advantages", "old_logprobs", "ref_logprobs"]
+
+
+@pytest.mark.parametrize("field", PER_TOKEN_FIELDS)
+@pytest.mark.parametrize("extra", [1, 5])
+def test_per_token_field_longer_than_response_is_refused(tmp_path, field, extra):
+    """One entry too many must not be cut to the response length silently."""
+    good = _good()
+    longer = good[field] + [0] * extra  # 0 is a valid entry of every per-token field
+    path = _write(tmp_path, GOOD + [_good(**{field: longer})])
+    with pytest.raises(RolloutFormatError) as excinfo:
+        load_rollouts(path)
+    _expect(excinfo, path, 3, field)
+    message = str(excinfo.value)
+    assert f"{path}:3: field '{field}': " in message
+    assert f"has {3 + extra} entries but response_ids has 3" in message, message
+
+
+@pytest.mark.parametrize("field", ["old_logprobs", "ref_logprobs"])
+def test_positive_logprob_at_valid_position_is_refused(tmp_path, field):
+    """log p > 0 is a probability above 1: refused where loss_mask is 1 (loss_mask is [1, 1, 0])."""
+    values = list(_good()[field])
+    values[1] = 0.01
+    path = _write(tmp_path, GOOD + [_good(**{field: values})])
+    with pytest.raises(RolloutFormatError) as excinfo:
+        load_rollouts(path)
+    _expect(excinfo, path, 3, field)
+    message = str(excinfo.value)
+    assert f"{field}[1] is 0.01 where loss_mask is 1" in message and "log-probability <= 0" in message, message
+
+
+@pytest.mark.parametrize("field", ["old_logprobs", "ref_logprobs"])
+def test_positive_logprob_float_noise_and_masked_positions_load(tmp_path, field):
+    """Up to 1e-4 above 0 is float noise; masked positions are not checked at all."""
+    noise = list(_good()[field])
+    noise[0] = 5e-5
+    noise[1] = 1e-4  # the bound itself is accepted
+    masked = list(_good()[field])
+    masked[2] = 0.5  # loss_mask[2] is 0
+    path = _write(tmp_path, [_good(group_id="a", **{field: noise}), _good(group_id="b", **{field: masked})])
+    a, b = load_rollouts(path)[0]
+    assert getattr(a, field)[:2] == [5e-5, 1e-4]
+    assert getattr(b, field)[2] == 0.5
+    refused = list(noise)
+    refused[1] = 1.5e-4  # just above the bound
+    with pytest.raises(RolloutFormatError) as excinfo:
+        load_rollouts(_write(tmp_path, [_good(**{field: refused})], name="above.jsonl"))
+    assert f"field '{field}': {field}[1] is 0.00015 where loss_mask is 1" in str(excinfo.value)
+
+
+def test_writer_refuses_positive_logprob(tmp_path):
+    path = tmp_path / NAME
+    with pytest.raises(RolloutFormatError) as excinfo:
+        write_rollouts(path, {4: [_rollout(), _rollout(old_logprobs=[-1.0, 0.3, -1.0])]})
+    assert str(excinfo.value).startswith(f"{path}: step 4: rollout 1: field 'old_logprobs': old_logprobs[1] is 0.3")
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("contents", ["", "\n  \n\t\n"], ids=["empty", "blank_lines_only"])
 def test_file_without_rollouts(tmp_path, contents):
     path = tmp_path / NAME
@@ -315,6 +373,7 @@ def test_error_pickles():
 
 
 _finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
+_logprob = st.floats(min_value=-1e6, max_value=1e-4, allow_nan=False)  # log p <= 0, up to float noise
 
 
 @st.composite
@@ -330,9 +389,9 @@ def _random_steps(draw):
                 response_ids=draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)),
                 loss_mask=mask,
                 advantages=draw(st.lists(_finite, min_size=n, max_size=n)),
-                old_logprobs=draw(st.lists(_finite, min_size=n, max_size=n)),
+                old_logprobs=draw(st.lists(_logprob, min_size=n, max_size=n)),
                 group_id=draw(st.sampled_from([f"{k}-{i % 2}", k * 10 + i % 2])),
-                ref_logprobs=draw(st.none() | st.lists(_finite, min_size=n, max_size=n)),
+                ref_logprobs=draw(st.none() | st.lists(_logprob, min_size=n, max_size=n)),
                 numerator_mask=draw(st.none() | st.just([m & (j % 2) for j, m in enumerate(mask)])),
             ))
         steps[k] = rollouts
