@@ -89,9 +89,11 @@ def te_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def gpt_layer_spec(use_te: Optional[bool] = None) -> ModuleSpec:
+def gpt_layer_spec(use_te: Optional[bool] = None, num_experts: Optional[int] = None) -> ModuleSpec:
     """The GPT layer spec: TE's when ``use_te`` is not False and TE is usable, else the local spec
     with ``ThdDotProductAttention`` at ``submodules.self_attention.submodules.core_attention``.
+    ``num_experts`` (MoE): megatron-core's MoE layer (router, experts, token dispatcher) as the
+    MLP of every layer, as ``get_gpt_layer_*_spec(num_experts=...)`` builds it.
 
     ``use_te=True`` without a usable TE raises instead of silently falling back.
     """
@@ -104,8 +106,8 @@ def gpt_layer_spec(use_te: Optional[bool] = None) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec()
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts)
     spec.submodules.self_attention.submodules.core_attention = ThdDotProductAttention
     return spec
 
@@ -123,10 +125,12 @@ def build_tiny_gpt(
     share_embeddings_and_output_weights: bool = True,
 ) -> GPTModel:
     """A megatron-core ``GPTModel`` for one (virtual) pipeline stage; ``spec`` defaults to
-    :func:`gpt_layer_spec`. Tied embeddings with PP > 1 need the ``cpu_gloo`` patch on CPU."""
+    :func:`gpt_layer_spec` (MoE layers when ``config.num_moe_experts`` is set). Tied embeddings
+    with PP > 1 need the ``cpu_gloo`` patch on CPU."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec if spec is not None else gpt_layer_spec(),
+        transformer_layer_spec=(spec if spec is not None
+                                else gpt_layer_spec(num_experts=config.num_moe_experts)),
         vocab_size=vocab_size,
         max_sequence_length=max_seq_len,
         pre_process=pre_process,

@@ -79,7 +79,7 @@ def init_distributed(
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1, *, seed: int = 1234
+    tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1, *, seed: int = 1234, ep: int = 1
 ) -> Layout:
     """(Re)initialise megatron's model-parallel state for one layout and seed its RNG tracker.
 
@@ -100,6 +100,7 @@ def init_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=world // (tp * pp * cp))

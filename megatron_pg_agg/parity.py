@@ -33,6 +33,7 @@ MAX_SEQ_LEN = 64
 NUM_LAYERS = 4
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 CONSTANT_DIVISOR = 16.0
+MOE_EXPERTS, MOE_TOPK, MOE_AUX_COEFF, MOE_Z_COEFF = 4, 2, 0.01, 1e-3
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,16 @@ class ParityLayout:
     """Microbatches per DP rank."""
     per_token_model: bool = False
     """Use PerTokenLM instead of GPTModel (required for cp > 1 on CPU)."""
+    experts: int = 0
+    """MoE: experts per layer (top-2, router aux 0.01 and z 1e-3 losses on, ``moe_aux_loss``
+    patch applied); 0 = dense. The reference has the same experts and no router losses; the
+    layout's PG gradient is its total gradient minus the router losses' own gradient (an aux-only
+    run of the same plan: advantages 0, KL and entropy off), whose strength tests/test_moe.py
+    checks against Megatron's default averaging."""
+    ep: int = 1
+    """Expert-parallel size (carved out of the DP ranks)."""
+    dispatcher: str = "alltoall"
+    """MoE token dispatcher: 'alltoall' or 'allgather'."""
     control: Optional[str] = None
     """Negative control: 'megatron_default_averaging' (calculate_per_token_loss=False) or
     'per_microbatch_weights' (weights computed inside each rank's microbatch, not per step)."""
@@ -81,6 +92,10 @@ DEFAULT_LAYOUTS = (
     ParityLayout("TP=2 x PP=2, 3 mb", tp=2, pp=2, num_microbatches=3),
     ParityLayout("TP=2 x DP=2, 2 mb", tp=2, dp=2, num_microbatches=2),
     ParityLayout("CP=2 x DP=2 (per-token model), 2 mb", cp=2, dp=2, num_microbatches=2, per_token_model=True),
+    ParityLayout("MoE DP=2 x EP=2 (alltoall), 3 mb", dp=2, ep=2, experts=MOE_EXPERTS, num_microbatches=3),
+    ParityLayout("MoE DP=2 (allgather), 3 mb", dp=2, experts=MOE_EXPERTS, dispatcher="allgather",
+                 num_microbatches=3),
+    ParityLayout("MoE PP=2 (1F1B), 3 mb", pp=2, experts=MOE_EXPERTS, num_microbatches=3),
     ParityLayout("control: Megatron default averaging, DP=2, 3 mb", dp=2, num_microbatches=3,
                  control="megatron_default_averaging", control_modes=("token_mean",)),
     ParityLayout("control: per-microbatch weights, DP=2, 3 mb", dp=2, num_microbatches=3,
@@ -134,19 +149,42 @@ def parity_rollouts(seed: int = 7, with_ref: bool = True):
 # ----------------------------------------------------------------------------- worker side
 
 
-def _build(layout: ParityLayout, per_token: bool, *, per_token_loss: bool = True):
+def _kind(layout: ParityLayout) -> str:
+    """Which reference a layout compares with: 'per_token', 'moe' or 'gpt'."""
+    return "per_token" if layout.per_token_model else "moe" if layout.experts else "gpt"
+
+
+def _uniform_tokens(layout: ParityLayout) -> bool:
+    """Microbatches padded to one length: the interleaved schedule, and the allgather dispatcher
+    under PP (it refuses variable_seq_lengths) or EP (gloo all-gathers need equal sizes)."""
+    allgather = layout.experts and layout.dispatcher == "allgather"
+    return layout.vpp is not None or bool(allgather and (layout.pp > 1 or layout.ep > 1))
+
+
+def _moe_kwargs(layout: ParityLayout, router_losses: bool) -> dict:
+    if not layout.experts:
+        return {}
+    return dict(num_moe_experts=layout.experts, moe_router_topk=MOE_TOPK,
+                moe_aux_loss_coeff=MOE_AUX_COEFF if router_losses else 0.0,
+                moe_z_loss_coeff=MOE_Z_COEFF if router_losses else None,
+                expert_model_parallel_size=layout.ep, moe_token_dispatcher_type=layout.dispatcher,
+                add_bias_linear=False)  # megatron-core 0.16 experts cannot add a bias (see check_megatron_config)
+
+
+def _build(layout: ParityLayout, per_token: bool, *, per_token_loss: bool = True, router_losses: bool = True):
     import torch
 
     from .model import PerTokenLM, build_model_chunks, tiny_transformer_config
 
     config = tiny_transformer_config(
+        **_moe_kwargs(layout, router_losses),
         num_layers=NUM_LAYERS,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
         # 1F1B exchanges shapes per microbatch; the interleaved schedule gets uniform packs
-        variable_seq_lengths=layout.pp > 1 and layout.vpp is None,
+        variable_seq_lengths=layout.pp > 1 and not _uniform_tokens(layout),
         calculate_per_token_loss=per_token_loss,
     )
     torch.manual_seed(1234)
@@ -165,6 +203,12 @@ def _full_name(module, name: str) -> str:
     if parts[:2] == ["decoder", "layers"]:
         layer = module.decoder.layers[int(parts[2])]
         parts[2] = str(layer.layer_number - 1)
+    if "local_experts" in parts:  # expert parallelism: local expert k of EP rank r is r * local + k
+        from megatron.core import parallel_state
+
+        k = parts.index("local_experts") + 1
+        local = len(module.decoder.layers[0].mlp.experts.local_experts)
+        parts[k] = str(parallel_state.get_expert_model_parallel_rank() * local + int(parts[k]))
     return ".".join(parts)
 
 
@@ -210,7 +254,7 @@ def gather_full_grads(ddp_chunks) -> dict:
     return out
 
 
-def reference(rollouts, mode: str, per_token: bool, full_state: Optional[dict] = None):
+def reference(rollouts, mode: str, kind: str, full_state: Optional[dict] = None):
     """Single-device objective and gradients: every sequence forwarded on its own, the whole step
     aggregated in ONE local-form call (no planner, no token weights, no split)."""
     import torch
@@ -219,8 +263,8 @@ def reference(rollouts, mode: str, per_token: bool, full_state: Optional[dict] =
     from .losses import kl_penalty, ppo_token_losses
 
     cfg = loss_config(mode)
-    layout = ParityLayout("reference")
-    _, chunks = _build(layout, per_token)
+    layout = ParityLayout("reference", experts=MOE_EXPERTS if kind == "moe" else 0)
+    _, chunks = _build(layout, kind == "per_token", router_losses=False)
     model = chunks[0]
     if full_state is not None:
         load_full_state([model], full_state)
@@ -297,6 +341,41 @@ def _per_microbatch_weights(mb, rollouts, cfg, cp):
                          denominator_mask=mb.denominator_mask)
 
 
+def _subtract_router_loss_gradient(model, rollouts, cfg, layout, cp_rank, dp_rank, device) -> None:
+    """``main_grad -= `` the gradient of an aux-only run of the same step (advantages 0, KL and
+    entropy off: the PG loss and its gradient are exactly 0), leaving the PG objective's gradient
+    (the router losses add linearly; tests/test_moe.py checks that and their strength)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .megatron_loss import make_forward_step
+    from .moe import begin_moe_step
+    from .planner import PlanConfig, plan_step
+
+    total = {id(p): p.main_grad.detach().clone() for chunk in model for p in chunk.module.parameters()}
+    aux_rollouts = [replace(r, advantages=[0.0] * len(r.advantages)) for r in rollouts]
+    aux_cfg = replace(cfg, kl_coef=0.0, entropy_coef=0.0)
+    plan = plan_step(aux_rollouts, aux_cfg, PlanConfig(
+        dp_size=layout.dp, num_microbatches=layout.num_microbatches, tp_size=layout.tp, cp_size=layout.cp,
+        vocab_size=VOCAB, uniform_microbatch_tokens=_uniform_tokens(layout)), cp_rank=cp_rank)
+    mbs = plan.for_rank(dp_rank)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    begin_moe_step(plan.totals.pg_weight, len(mbs), layout.dp)
+    iterators = [iter(mbs) for _ in model]
+    get_forward_backward_func()(
+        forward_step_func=make_forward_step(aux_cfg, plan.totals, device=device,
+                                            tp_group=parallel_state.get_tensor_model_parallel_group()),
+        data_iterator=iterators if len(iterators) > 1 else iterators[0], model=model,
+        num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
+        forward_only=False)
+    with torch.no_grad():
+        for chunk in model:
+            for p in chunk.module.parameters():
+                p.main_grad.copy_(total[id(p)] - p.main_grad)
+
+
 def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
     """Run one layout for each mode; returns rows on global rank 0 (None elsewhere)."""
     import torch
@@ -307,13 +386,14 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
 
     from .megatron_loss import check_megatron_config, make_forward_step
     from .model import default_ddp_config, wrap_in_ddp
+    from .moe import begin_moe_step
     from .parallel import init_parallel, teardown_parallel
     from .planner import PlanConfig, plan_step
 
-    init_parallel(layout.tp, layout.pp, layout.vpp, layout.cp)
+    init_parallel(layout.tp, layout.pp, layout.vpp, layout.cp, ep=layout.ep)
     per_token_loss = layout.control != "megatron_default_averaging"
     config, chunks = _build(layout, layout.per_token_model, per_token_loss=per_token_loss)
-    load_full_state(chunks, full_states[layout.per_token_model])
+    load_full_state(chunks, full_states[_kind(layout)])
     ddp_config = default_ddp_config()
     model = wrap_in_ddp(chunks, config, ddp_config)
     config.finalize_model_grads_func = finalize_model_grads
@@ -322,13 +402,14 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_rank = parallel_state.get_context_parallel_rank()
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    keep = dp_rank == 0 and cp_rank == 0
+    # MoE: expert gradients live on their EP rank (any DP rank): every rank sends its gradients
+    keep = (dp_rank == 0 and cp_rank == 0) or bool(layout.experts)
     rows = []
     for mode in modes:
         cfg = loss_config(mode)
         plan = plan_step(rollouts, cfg, PlanConfig(
             dp_size=layout.dp, num_microbatches=layout.num_microbatches, tp_size=layout.tp,
-            cp_size=layout.cp, vocab_size=VOCAB, uniform_microbatch_tokens=layout.vpp is not None,
+            cp_size=layout.cp, vocab_size=VOCAB, uniform_microbatch_tokens=_uniform_tokens(layout),
         ), cp_rank=cp_rank)
         mbs = plan.for_rank(dp_rank)
         if layout.control == "per_microbatch_weights":
@@ -340,6 +421,8 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
                                          tp_group=parallel_state.get_tensor_model_parallel_group())
         iterators = [iter(mbs) for _ in model]
         t0 = time.perf_counter()
+        if layout.experts:  # the router losses' per-step factor W / M_total
+            begin_moe_step(plan.totals.pg_weight, len(mbs), layout.dp)
         store = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -350,6 +433,8 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
             forward_only=False,
         )
         step_s = time.perf_counter() - t0
+        if layout.experts:
+            _subtract_router_loss_gradient(model, rollouts, cfg, layout, cp_rank, dp_rank, device)
         pair = torch.zeros(2, dtype=torch.float64, device=device)
         if last_stage:
             for report in store:
@@ -365,7 +450,7 @@ def run_layout(layout: ParityLayout, rollouts, modes, full_states, references):
         full = {}
         for _, _, g in gathered:
             full.update(g)
-        ref_obj, ref_grads, _ = references[(layout.per_token_model, mode)]
+        ref_obj, ref_grads, _ = references[(_kind(layout), mode)]
         missing = sorted(set(ref_grads) - set(full))
         if missing:
             raise RuntimeError(f"{layout.name}: no gradient gathered for {missing}")
@@ -405,23 +490,24 @@ def worker_main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     faulthandler.dump_traceback_later(float(os.environ.get("PG_AGG_HANG_DUMP_S", "540")), exit=True)
-    if not torch.cuda.is_available():
-        apply_megatron_patches(cpu_gloo=True)
+    layouts = [ParityLayout(**d) for d in json.loads(args.layouts_json)]
+    # moe_aux_loss whenever a model has experts (router losses at Megatron's default strength)
+    apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(),
+                           moe_aux_loss=any(lay.experts for lay in layouts))
     from .parallel import init_distributed, init_parallel, teardown_parallel
 
     init_distributed()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    layouts = [ParityLayout(**d) for d in json.loads(args.layouts_json)]
     rollouts = parity_rollouts()
     # The reference: the same on every rank (deterministic CPU init), then shared weights.
     init_parallel(1, 1)
     references, full_states = {}, {}
-    for per_token in sorted({lay.per_token_model for lay in layouts}):
+    for kind in sorted({_kind(lay) for lay in layouts}):
         for mode in args.modes:
-            obj, grads, state = reference(rollouts, mode, per_token, full_states.get(per_token))
-            full_states.setdefault(per_token, state)
-            references[(per_token, mode)] = (obj, grads, state)
+            obj, grads, state = reference(rollouts, mode, kind, full_states.get(kind))
+            full_states.setdefault(kind, state)
+            references[(kind, mode)] = (obj, grads, state)
     teardown_parallel()
     rows = []
     for layout in layouts:
@@ -435,10 +521,11 @@ def worker_main(argv=None) -> int:
             for row in got:
                 print(_format_row(row), flush=True)
     if dist.get_rank() == 0:
-        ref_rows = [{"layout": "single-process reference" + (" (per-token model)" if pt else ""),
-                     "mode": m, "objective": references[(pt, m)][0], "reference": references[(pt, m)][0],
+        label = {"gpt": "", "per_token": " (per-token model)", "moe": " (MoE model)"}
+        ref_rows = [{"layout": "single-process reference" + label[k],
+                     "mode": m, "objective": references[(k, m)][0], "reference": references[(k, m)][0],
                      "objective_rel_err": 0.0, "grad_max_rel_err": 0.0, "expect_fail": False, "passed": True}
-                    for pt in sorted(full_states) for m in args.modes]
+                    for k in sorted(full_states) for m in args.modes]
         with open(args.out, "w") as f:
             json.dump(ref_rows + rows, f, indent=1)
     dist.destroy_process_group()

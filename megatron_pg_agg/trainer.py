@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .args import add_pg_agg_args, config_from_args
+from .worker_process import die_with_launcher, keep_freed_memory
 
 SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
 
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="batched pipeline p2p (refused with the interleaved schedule on gloo)")
     par.add_argument("--no-calculate-per-token-loss", dest="calculate_per_token_loss", action="store_false",
                      help="(refused) Megatron's default mean-of-microbatch-means")
+    moe = parser.add_argument_group("mixture of experts (Megatron-style; every layer's MLP is a MoE layer)")
+    moe.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense model)")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (>= 2)")
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing (aux) loss coefficient")
+    moe.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient")
+    moe.add_argument("--expert-model-parallel-size", type=int, default=1)
+    moe.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     batching = parser.add_argument_group("batching").add_mutually_exclusive_group()
     batching.add_argument("--max-tokens-per-microbatch", type=int, default=None)
     batching.add_argument("--num-microbatches", type=int, default=None, help="per DP rank (default 2)")
@@ -139,6 +147,7 @@ def validate_startup(args, world_size: int, *, backend: str, te: bool) -> None:
     if args.bf16 and backend == "gloo":
         problems.append("--bf16 needs CUDA: megatron-core's mixed-precision optimizer only wraps CUDA "
                         "bf16 parameters (run fp32 on CPU)")
+    problems.extend(_moe_startup_problems(args, world_size, te=te))
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         problems.append("--save-interval needs --save and a value >= 1")
     if args.train_iters < 1:
@@ -149,6 +158,32 @@ def validate_startup(args, world_size: int, *, backend: str, te: bool) -> None:
         problems.append(f"--rollouts {args.rollouts}: no such file")
     if problems:
         raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+
+
+def _moe_startup_problems(args, world_size: int, *, te: bool) -> list:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, experts = args.expert_model_parallel_size, args.num_experts
+    if experts is None:
+        given = [flag for flag, on in (("--expert-model-parallel-size", ep != 1),
+                                       ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff != 0.0),
+                                       ("--moe-z-loss-coeff", args.moe_z_loss_coeff is not None)) if on]
+        return [f"{', '.join(given)} need(s) --num-experts"] if given else []
+    problems = []
+    if experts < 2:
+        problems.append(f"--num-experts {experts} must be >= 2")
+    if not 2 <= args.moe_router_topk <= max(experts, 2):
+        problems.append(f"--moe-router-topk {args.moe_router_topk} must be between 2 and --num-experts "
+                        f"{experts} (top-1 needs Megatron's pre-softmax routing, not offered here)")
+    if args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff is not None and args.moe_z_loss_coeff < 0):
+        problems.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+    if ep < 1 or experts % max(ep, 1):
+        problems.append(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-experts {experts}")
+    elif tp >= 1 and pp >= 1 and (world_size // max(pp, 1)) % (ep * tp):
+        problems.append(f"world size / PP = {world_size // max(pp, 1)} is not divisible by EP x TP = {ep} x {tp}")
+    if tp > 1 and not args.sequence_parallel:
+        problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core "
+                        "refuses MoE training under TP without it)" + ("" if te else "; on CPU that needs TE too"))
+    return problems
 
 
 # ----------------------------------------------------------------------------- data
@@ -313,12 +348,14 @@ class MetricsLog:
             f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
             for k in ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
             if record.get(k) is not None)
+        moe = {k: v[0] / v[1] for k, v in record.items() if k.startswith("moe_") and isinstance(v, list) and v[1]}
+        shown += "".join(f" {k}={v:.4g}" for k, v in moe.items())
         print(f"[train] [{bar}] {it}/{self.total} {shown}", file=sys.stderr, flush=True)
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.tb:
-            for k, v in record.items():
+            for k, v in {**record, **moe}.items():
                 if isinstance(v, (int, float)) and k != "iteration":
                     self.tb.add_scalar(k, v, it)
 
@@ -352,28 +389,12 @@ def _param_checksum(model) -> float:
     return float(total)
 
 
-def _die_with_launcher() -> None:
-    """Ask Linux to SIGTERM this worker when its parent (the torchrun agent) dies. torchrun starts
-    workers in their own sessions, so a killed agent would otherwise leave them running (and
-    holding GPUs) forever."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def train(args) -> dict:
     """Run the whole job; returns rank 0's last metrics record (empty dict elsewhere)."""
     import torch
     import torch.distributed as dist
 
-    _die_with_launcher()
+    die_with_launcher()
 
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -387,10 +408,12 @@ def train(args) -> dict:
 
     from .parallel import init_distributed, init_parallel
 
-    if not cuda:
-        from .patches import apply_megatron_patches
+    experts = args.num_experts is not None
+    from .patches import apply_megatron_patches
 
-        apply_megatron_patches(cpu_gloo=True)
+    # cpu_gloo: CPU/gloo shim (MoE layers included); moe_aux_loss: router aux/z losses keep
+    # Megatron's default strength under the per-token contract (patches/moe_aux_loss.py)
+    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=experts)
     init_distributed(backend=backend, timeout_s=args.distributed_timeout_minutes * 60)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -404,6 +427,7 @@ def train(args) -> dict:
     from .losses import REPORT_KEYS
     from .megatron_loss import check_megatron_config, make_forward_step
     from .model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp
+    from .moe import begin_moe_step, router_loss_pairs, router_loss_values
     from .planner import PlanConfig, plan_step
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
@@ -411,8 +435,21 @@ def train(args) -> dict:
     if args.num_layers_per_virtual_pipeline_stage is not None:
         vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
         vpp = vpp if vpp > 1 else None
-    init_parallel(tp, pp, vpp, cp, seed=args.seed)
+    ep = args.expert_model_parallel_size
+    init_parallel(tp, pp, vpp, cp, seed=args.seed, ep=ep)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    # the allgather dispatcher refuses variable_seq_lengths, and on gloo its EP all-gather needs
+    # one token count per microbatch on every rank: pad microbatches to one length there
+    allgather = experts and args.moe_token_dispatcher_type == "allgather"
+    uniform_tokens = vpp is not None or (allgather and (pp > 1 or ep > 1))
+    moe_kwargs = {} if not experts else dict(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        expert_model_parallel_size=ep, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        # megatron-core 0.16's expert MLP cannot add a bias under autograd (check_megatron_config
+        # says why): MoE models here have no linear biases, as most MoE LLMs
+        add_bias_linear=False,
+    )
     config = tiny_transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
@@ -422,9 +459,10 @@ def train(args) -> dict:
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         use_cpu_initialization=not cuda,
-        variable_seq_lengths=pp > 1 and vpp is None,
+        variable_seq_lengths=pp > 1 and not uniform_tokens,
         batch_p2p_comm=args.batch_p2p_comm,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        **moe_kwargs,
     )
     torch.manual_seed(args.seed)
     chunks = build_model_chunks(config, args.vocab_size, args.max_position_embeddings,
@@ -452,7 +490,9 @@ def train(args) -> dict:
     if rank == 0:
         print(f"[train] world={world} TP={tp} PP={pp}{f' (vpp={vpp})' if vpp else ''} CP={cp} "
               f"DP={parallel_state.get_data_parallel_world_size()} backend={backend} "
-              f"mode={loss_cfg.canonical_mode} steps={len(steps)} start_iteration={state.iteration}",
+              f"mode={loss_cfg.canonical_mode} steps={len(steps)} start_iteration={state.iteration}"
+              + (f" experts={args.num_experts} top{args.moe_router_topk} EP={ep} "
+                 f"dispatcher={args.moe_token_dispatcher_type}" if experts else ""),
               file=sys.stderr, flush=True)
     step_keys = sorted(steps)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -465,8 +505,9 @@ def train(args) -> dict:
         num_microbatches=None if args.max_tokens_per_microbatch else (args.num_microbatches or 2),
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         tp_size=tp, sequence_parallel=args.sequence_parallel, cp_size=cp, vocab_size=args.vocab_size,
-        uniform_microbatch_tokens=vpp is not None,
+        uniform_microbatch_tokens=uniform_tokens,
     )
+    dp_size = parallel_state.get_data_parallel_world_size()
     record = {}
     while state.iteration < args.train_iters:
         key = step_keys[state.iteration % len(step_keys)]
@@ -476,6 +517,8 @@ def train(args) -> dict:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        if experts:  # the router losses' per-step factor W / M_total (host integers, no collective)
+            begin_moe_step(plan.totals.pg_weight, len(mbs), dp_size)
         forward_step = make_forward_step(loss_cfg, plan.totals,
                                          tp_group=parallel_state.get_tensor_model_parallel_group(), device=device)
         store = get_forward_backward_func()(
@@ -493,6 +536,9 @@ def train(args) -> dict:
                     if name in report:
                         pairs[i] += report[name].double()
         dist.all_reduce(pairs, group=dp_cp_group)
+        if experts:  # router aux/z losses as [sum, count] pairs over every rank (exact logging)
+            moe_pairs = router_loss_pairs(model, len(mbs), device=device)
+            dist.all_reduce(moe_pairs)
         grads_finite = [torch.isfinite(p.main_grad).all() for chunk in model for p in chunk.parameters()
                         if p.requires_grad and getattr(p, "main_grad", None) is not None]
         finite = torch.stack([torch.isfinite(pairs).all(), *grads_finite]).all().double().reshape(1)
@@ -531,6 +577,8 @@ def train(args) -> dict:
             "microbatch_balance": plan.stats["microbatch_balance"],
             "skipped": skipped, "skipped_total": state.skipped,
         }
+        if experts:
+            record.update(router_loss_values(moe_pairs))
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             log.log(record)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
@@ -548,25 +596,6 @@ def train(args) -> dict:
     log.close()
     dist.destroy_process_group()
     return record
-
-
-def keep_freed_memory() -> None:
-    """Tell glibc malloc to keep freed large blocks instead of returning them to the OS.
-
-    Step planning allocates and frees many tensors of the step's size; by default glibc serves
-    each from fresh mmap pages, so the kernel zero-fills every page again (the page faults made
-    planning 8M tokens superlinear: 1.4 s instead of 0.75 s, benchmarks/bench_planner.py). The
-    same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, for this process only; an
-    application decision, so the launcher makes it, never the library.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 1 << 34)
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,9 @@ Patches
     ``megatron_lm_log`` (:mod:`.megatron_lm_log`), same range: wraps Megatron-LM's
     ``training_log`` to hand each iteration's reduced report to registered observers (its console
     drops values that are not > 0). Any device.
+    ``moe_aux_loss`` (:mod:`.moe_aux_loss`), same range: MoE router aux/z losses keep Megatron's
+    default strength under ``calculate_per_token_loss`` (token multiply off, a per-step factor
+    ``W / M_total`` set by :func:`.moe_aux_loss.set_moe_aux_loss_scale`). Any device.
 
 Usage::
 
@@ -27,7 +30,7 @@ Usage::
 """
 from __future__ import annotations
 
-from . import _machinery, cpu_gloo, megatron_lm_cpu, megatron_lm_log
+from . import _machinery, cpu_gloo, megatron_lm_cpu, megatron_lm_log, moe_aux_loss
 from ._machinery import Patch, Target, is_applied
 
 __all__ = [
@@ -44,19 +47,21 @@ PATCHES: dict[str, Patch] = {
     cpu_gloo.NAME: cpu_gloo.PATCH,
     megatron_lm_cpu.NAME: megatron_lm_cpu.PATCH,
     megatron_lm_log.NAME: megatron_lm_log.PATCH,
+    moe_aux_loss.NAME: moe_aux_loss.PATCH,
 }
 """Every known patch, by name, in application order."""
 
 
 def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
-                           megatron_lm_log: bool = False) -> list[str]:
+                           megatron_lm_log: bool = False, moe_aux_loss: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
     release) and its targets before touching anything, so a failure raises ``RuntimeError`` with
     megatron-core and Megatron-LM unchanged by that patch.
     """
-    wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log}
+    wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
+              "moe_aux_loss": moe_aux_loss}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

@@ -36,6 +36,19 @@ HOW (wrappers only, never a copy of an upstream function)
       that call only. ``Tensor.cuda`` is a method of the global Tensor class, so no module
       namespace can be patched; a torch-function mode is scoped to the call (and thread) instead
       of monkeypatching ``torch.Tensor``.
+    * MoE layers (megatron-core without Transformer Engine): ``Router.gating`` moves its weight to
+      ``torch.cuda.current_device()`` (the router module's ``torch`` is proxied like the others);
+      the alltoall token dispatcher creates a CUDA side stream for its device-to-host copies and
+      records/synchronises an event on it (its module's ``torch`` is the ``training`` proxy of
+      :mod:`._cpu_torch`, whose streams here also record no-op events: CPU work is ordered, and
+      its ``maybe_move_tensor_to_cpu`` returns the numpy split sizes the all-to-all needs, as
+      it does for GPU tensors);
+      and ``moe_utils.RouterGatingLinearFunction`` reads the module global ``te_general_gemm``,
+      which megatron-core defines only when TE imports (``moe_utils`` ~22-39 vs ~1192: a
+      ``NameError`` without TE). Its ``forward``/``backward`` are wrapped to run with that
+      global bound to ``None`` for the duration of the call (the value upstream tests for:
+      ``te_general_gemm is not None``), so the upstream torch path runs unchanged; the name is
+      removed again afterwards, and left alone where TE defined it.
 
     No torch attribute is patched: other code (the user's, tests') still sees the real ``torch``,
     ``torch.cuda`` and ``torch.Tensor``. The one global effect is the documented seeding of the
@@ -50,7 +63,11 @@ TARGETS (megatron-core >=0.16.0,<0.17)
     ``setup_embeddings_and_output_layer``;
     ``megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32`` (runs under a mode in
     which ``Tensor.type()`` of a CPU float32 tensor reads ``'torch.cuda.FloatTensor'``: upstream
-    asserts that string before scaling).
+    asserts that string before scaling);
+    ``megatron.core.transformer.moe.token_dispatcher.torch`` (training proxy, streams with events);
+    ``megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu`` (split sizes as
+    numpy arrays on CPU too, as on GPU);
+    ``megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward`` / ``.backward``.
 
 NOT COVERED
     ``tensor_parallel.broadcast_data`` (calls ``Tensor.cuda()``; feed batches directly on CPU),
@@ -64,12 +81,14 @@ NOT COVERED
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy
+from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy
 from ._machinery import Patch, Target
 
 NAME = "cpu_gloo"
@@ -95,7 +114,10 @@ TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq -> device
     "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, found_inf buffers
     "megatron.core.optimizer.clip_grads",  # grad-norm buffers
+    "megatron.core.transformer.moe.router",  # Router.gating moves its weight to current_device()
 )
+_MOE_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
 
 
@@ -172,6 +194,83 @@ def _make_interleaved_guard(original):
     return forward_backward_pipelining_with_interleaving
 
 
+class _NoEvent:
+    """A CUDA event stand-in: the CPU work it marks is already done."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoStreamWithEvents(_NoStream):
+    """:class:`._cpu_torch._NoStream` that also records (no-op) events, as the alltoall token
+    dispatcher does after its device-to-host copies."""
+
+    def record_event(self, event: Any = None) -> _NoEvent:
+        return _NoEvent()
+
+
+def _make_dispatcher_torch(original):
+    """The token dispatcher's ``torch``: the ``training`` proxy (streams are no-ops), with
+    streams that record events."""
+    proxy = make_torch_proxy(training=True)(original)
+    proxy.cuda.Stream = lambda *a, **k: _NoStreamWithEvents()
+    proxy.cuda.current_stream = lambda *a, **k: _NoStreamWithEvents()
+    return proxy
+
+
+def _make_move_to_cpu(original):
+    """The dispatcher's ``maybe_move_tensor_to_cpu``: with ``as_numpy=True`` a tensor already on
+    the CPU comes back as a numpy array too (upstream converts only the tensors it copies from
+    the GPU, so on CPU the all-to-all split sizes stayed tensors, which ``all_to_all_single``
+    rejects)."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(out) and out.device.type == "cpu":
+            return out.numpy()
+        return out
+
+    return maybe_move_tensor_to_cpu
+
+
+@contextlib.contextmanager
+def _te_general_gemm_is_none():
+    """Bind ``moe_utils.te_general_gemm`` to None for the duration of the call when megatron-core
+    left it undefined (no TE); leave a TE-defined one alone."""
+    namespace = vars(sys.modules[_MOE_UTILS])
+    missing = "te_general_gemm" not in namespace
+    if missing:
+        namespace["te_general_gemm"] = None
+    try:
+        yield
+    finally:
+        if missing:
+            namespace.pop("te_general_gemm", None)
+
+
+def _make_gating_step(original):
+    """Wrap ``RouterGatingLinearFunction.forward`` or ``.backward`` (staticmethods upstream).
+
+    The replacement is a plain function set on the class: autograd only ever calls these through
+    the class (``cls.forward(ctx, ...)``, ``_forward_cls.backward(ctx, ...)``), where a plain
+    function is not bound, so it behaves as the staticmethod did (a staticmethod object cannot
+    carry the machinery's ``__wrapped__``)."""
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    def gating_step(*args, **kwargs):
+        with _te_general_gemm_is_none():
+            return fn(*args, **kwargs)
+
+    gating_step.__name__ = gating_step.__qualname__ = fn.__name__
+    return gating_step
+
+
 def _require_cpu_only() -> None:
     if torch.cuda.is_available():
         raise RuntimeError(
@@ -203,5 +302,9 @@ PATCH = Patch(
         ),
         # optimizer.py imported the function by name: wrap the name it calls
         Target("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _make_clip_grads),
+        Target(_MOE_DISPATCHER, "torch", _make_dispatcher_torch),
+        Target(_MOE_DISPATCHER, "maybe_move_tensor_to_cpu", _make_move_to_cpu),
+        Target(_MOE_UTILS, "RouterGatingLinearFunction.forward", _make_gating_step),
+        Target(_MOE_UTILS, "RouterGatingLinearFunction.backward", _make_gating_step),
     ),
 )

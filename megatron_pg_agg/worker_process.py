@@ -1,0 +1,40 @@
+"""Process-level settings of the project's torchrun workers (both entry points use them)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def die_with_launcher() -> None:
+    """Ask Linux to SIGTERM this worker when its parent (the torchrun agent) dies. torchrun starts
+    workers in their own sessions, so a killed agent would otherwise leave them running (and
+    holding GPUs) forever."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def keep_freed_memory() -> None:
+    """Tell glibc malloc to keep freed large blocks instead of returning them to the OS.
+
+    Step planning allocates and frees many tensors of the step's size; by default glibc serves
+    each from fresh mmap pages, so the kernel zero-fills every page again (the page faults made
+    planning 8M tokens superlinear: 1.4 s instead of 0.75 s, benchmarks/bench_planner.py). The
+    same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, for this process only; an
+    application decision, so the launcher makes it, never the library.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 34)
