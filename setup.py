@@ -11,6 +11,7 @@ TORCH = "torch==2.13.0"
 # Tested range: the loss contract (3-tuple, calculate_per_token_loss, finalize_model_grads
 # num_tokens) is read from 0.16.x; patches re-check the version before touching anything.
 MEGATRON_CORE = "megatron-core>=0.16.0,<0.17"
+MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic", "psutil"]
 
 setup(
     name="megatron_pg_agg",
@@ -21,7 +22,12 @@ setup(
     python_requires=">=3.10",
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib"],
+        # tensorboard: the Megatron-LM tests read the event files Megatron-LM's writer makes
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", *MEGATRON_LM],
+        # launch/pretrain_actor.py: what Megatron-LM's training side (a user's checkout, not a
+        # package) imports on the pretrain path, plus psutil for its torch_dist checkpoints. No
+        # triton on CPU: the megatron_lm_cpu patch stands in for the one module that imports it.
+        "megatron-lm": MEGATRON_LM,
         # the parity command's --plot
         "plot": ["matplotlib"],
         # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package

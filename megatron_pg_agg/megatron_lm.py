@@ -129,13 +129,13 @@ def startup_problems(args, *, cuda: bool) -> list:
     if getattr(args, "ddp_average_in_collective", False):
         problems.append("--ddp-average-in-collective averages gradients over DP before the division by "
                         "the global weight; drop it.")
-    if args.num_experts and (args.moe_aux_loss_coeff or args.moe_z_loss_coeff):
-        problems.append("--num-experts with --moe-aux-loss-coeff/--moe-z-loss-coeff > 0: under "
-                        "--calculate-per-token-loss the router losses are scaled by the routed tokens "
-                        "over the step weight (not supported yet); set both coefficients to 0.")
     if args.mtp_num_layers:
         problems.append("--mtp-num-layers (multi-token prediction) is not supported yet: its loss is a "
                         "token sum per microbatch outside the chosen aggregation.")
+    if args.pg_skip_nonfinite_steps:
+        problems.append("--pg-skip-nonfinite-steps belongs to launch/train_actor.py; in Megatron-LM a "
+                        "non-finite loss or gradient is handled by its own --check-for-nan-in-loss-and-grad "
+                        "(on by default: the run stops) and, with fp16, by skipped iterations.")
     if args.pg_rollouts is not None and not os.path.isfile(args.pg_rollouts):
         problems.append(f"--pg-rollouts {args.pg_rollouts}: no such file.")
     if not cuda:
@@ -254,6 +254,10 @@ class Actor:
         self.feed: Optional[RolloutFeed] = None
         self.metrics_path = args.pg_metrics_file
         self._checked_config = False
+        self.moe = bool(args.num_experts)
+        """Routers' aux/z losses keep Megatron's strength: patch ``moe_aux_loss``, factor per step."""
+        self._moe_iteration = None
+        self._first_logged: Optional[int] = None
 
     # Megatron-LM's model provider, with the THD core attention where TE is not used
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -322,6 +326,13 @@ class Actor:
         if not self._checked_config:
             self._check_config(model)
         item = next(data_iterator)
+        if self.moe and item.iteration != self._moe_iteration:
+            # once per step, before its first forward: under 1F1B the step's backwards all
+            # finish before the optimizer step, so no later step's factor can reach them
+            from .moe import begin_moe_step
+
+            begin_moe_step(item.totals.pg_weight, self.feed.plan_cfg.num_microbatches, self.feed.plan_cfg.dp_size)
+            self._moe_iteration = item.iteration
         mb = item.microbatch.to("cuda") if self.cuda else item.microbatch
         output = forward_microbatch(model, mb)
         return output, partial(pg_loss_func, mb, self.loss_cfg, item.totals,
@@ -371,7 +382,10 @@ class Actor:
                     writer.add_scalar(f"pg/{key}", record[key], event.iteration)
         if dist.get_rank() != 0:
             return
-        if event.iteration % args.log_interval == 0 or event.iteration == args.train_iters:
+        first = self._first_logged is None
+        self._first_logged = self._first_logged or event.iteration
+        if first or event.iteration % args.log_interval == 0 or event.iteration == args.train_iters:
+            # Megatron-LM's own line comes on the same iterations (the first, then every interval)
             shown = " | ".join(f"{k} {record[k]:.6g}" for k in
                                ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm")
                                if record.get(k) is not None)
@@ -400,6 +414,8 @@ def run(argv: list) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
+    if not cuda:  # Megatron-LM asserts it with TP > 1 on pre-Blackwell devices; no effect on CPU
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     root = find_checkout(argv)
     use_checkout(root)
     from megatron_pg_agg.patches import apply_megatron_patches
@@ -419,6 +435,8 @@ def run(argv: list) -> int:
     problems = startup_problems(args, cuda=cuda)
     if problems:
         raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+    if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
+        apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
     steps = load_steps(args)  # format errors before any process group
     if args.dataloader_type is None:
         _say("--dataloader-type external (set: the planner feeds the microbatches)")
@@ -436,7 +454,10 @@ def run(argv: list) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
+    from .worker_process import die_with_launcher
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
     _single_process_defaults()
     try:
         return run(argv)

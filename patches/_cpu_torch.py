@@ -60,6 +60,11 @@ class _RandomOnCpu:
         return getattr(self._real, name)
 
 
+_NO_GPU_PROPERTIES = type("CpuDeviceProperties", (), dict(
+    name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0))()
+"""What ``get_device_properties`` reports for the CPU: compute capability 0.0, no device memory."""
+
+
 class _NoStream:
     """A CUDA stream stand-in: CPU work is already ordered, so waiting and switching are no-ops."""
 
@@ -76,7 +81,7 @@ class _CudaOnCpu:
     ``rng``: the CUDA RNG calls map onto the CPU generator (on CPU it *is* the device generator).
     ``training``: the calls Megatron-LM's training side makes around its loop become CPU
     equivalents: ``set_device``/``empty_cache`` and streams are no-ops, memory statistics are
-    zero, and ``device_count()`` is 1 (Megatron-LM initialises model parallelism and seeds the
+    zero, the compute capability is 0.0, and ``device_count()`` is 1 (Megatron-LM initialises model parallelism and seeds the
     RNG tracker only when it sees a device; the CPU is that device here).
     """
 
@@ -95,6 +100,8 @@ class _CudaOnCpu:
             self.current_stream = lambda *a, **k: _NoStream()
             self.stream = lambda s: contextlib.nullcontext()
             self.memory_stats = lambda *a, **k: {}
+            self.get_device_properties = lambda *a, **k: _NO_GPU_PROPERTIES
+            self.get_device_capability = lambda *a, **k: (0, 0)
             for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                          "max_memory_reserved", "device_memory_used"):
                 setattr(self, name, lambda *a, **k: 0)
@@ -119,7 +126,7 @@ class _CudaOnCpu:
 class _TorchOnCpu:
     """``torch`` as seen by one megatron module; everything else delegates to the real torch."""
 
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "empty_like")
 
     def __init__(self, real: Any, rng: bool = False, training: bool = False) -> None:
         self._real = real

@@ -55,6 +55,12 @@ TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.training.checkpointing",  # iteration tensor, CUDA RNG state saved and restored
     "megatron.core.timers",  # barrier timers: device='cuda' buffers
     "megatron.core.rerun_state_machine",  # CUDA RNG state around reruns
+    # Megatron-LM's default checkpoint format (torch_dist) saves through these
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize before the write
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",  # synchronize
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # device='cuda' flags
+    "megatron.core.dist_checkpointing.strategies.async_utils",  # synchronize, liveness flags
+    "megatron.core.dist_checkpointing.exchange_utils",  # empty_like(device='cuda') buffers
 )
 
 BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"

@@ -40,6 +40,30 @@ def finish(proc: subprocess.Popen, timeout_s: float, what: str) -> tuple[int, st
     return proc.returncode, out
 
 
+def _children(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch as a machine failure would: torchrun's group, and every process left in
+    its workers' sessions. torchrun starts each worker in a session of its own, and a worker's
+    helpers (Megatron-LM's torch_dist checkpoint writer keeps a multiprocessing Manager per
+    worker) outlive a SIGKILLed worker holding its stdout, so a test would wait on them forever."""
+    sessions = {proc.pid} | set(_children(proc.pid))
+    os.killpg(proc.pid, signal.SIGKILL)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) in sessions:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def run(cmd, timeout_s: float, what: str, *, env=None) -> tuple[int, str, float]:
     t0 = time.monotonic()
     rc, out = finish(start(cmd, env=env), timeout_s, what)
