@@ -21,7 +21,6 @@ from launching import ROOT, finish, kill_launch, run, start, torchrun
 SCRIPT = ROOT / "launch" / "pretrain_actor.py"
 RUNS = ROOT / "tests" / "dist" / "megatron_lm_runs.py"
 REFERENCE = ROOT / "tests" / "dist" / "megatron_lm_reference.py"
-REQUIRE = "MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM"
 
 # A tiny GPT in Megatron-LM's own flags. 24 responses of 4-28 tokens in 6 prompt groups per
 # rollout step (the built-in synthetic set, 4 steps); 4 packed rows of <= 256 tokens per step.
@@ -60,21 +59,9 @@ LAUNCH_S = 240
 TENSORBOARD_RUN = ("DP2", "prompt_mean")
 
 
-def _find_checkout():
-    path = os.environ.get("MEGATRON_LM_PATH") or str(ROOT.parent / "shared" / "third_party" / "Megatron-LM")
-    return Path(path) if (Path(path) / "megatron" / "training").is_dir() else None
-
-
 @pytest.fixture(scope="module")
-def checkout() -> Path:
-    found = _find_checkout()
-    if found is None:
-        reason = ("no Megatron-LM checkout: set MEGATRON_LM_PATH or place one at "
-                  "../shared/third_party/Megatron-LM")
-        if os.environ.get(REQUIRE) == "1":
-            pytest.fail(f"{REQUIRE}=1 but {reason}")
-        pytest.skip(reason)
-    return found
+def checkout(megatron_lm_checkout) -> Path:
+    return megatron_lm_checkout
 
 
 def _command(nproc: int, script: Path, *args) -> list:

@@ -1,0 +1,192 @@
+"""The Megatron-LM patches (megatron_lm_cpu, megatron_lm_log) on the real checkout, in-process:
+replace, re-apply, revert, wrong megatron-core version, wrong Megatron-LM release, CUDA refusal,
+and the triton stand-in coming and going with the patch."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+
+from megatron_pg_agg import patches
+from megatron_pg_agg.patches import _machinery, megatron_lm_cpu, megatron_lm_log
+from megatron_pg_agg.patches._machinery import MARKER
+from megatron_pg_agg.patches._megatron_lm_release import (
+    SUPPORTED_TAGS,
+    UnsupportedMegatronLM,
+    check_pretrain_signature,
+)
+
+STAND_IN = megatron_lm_cpu.BATCH_INVARIANT_KERNELS
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(autouse=True)
+def clean(megatron_lm_on_path):
+    patches.revert_megatron_patches()
+    yield
+    patches.revert_megatron_patches()
+
+
+def _current(target):
+    owner = importlib.import_module(target.module)
+    *path, leaf = target.attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return vars(owner)[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
+
+
+def _snapshot(patch):
+    return {t.qualname: _current(t) for t in patch.targets}
+
+
+def _untouched(patch, before):
+    for t in patch.targets:
+        assert _current(t) is before[t.qualname], t.qualname
+        assert getattr(_current(t), MARKER, None) is None, t.qualname
+
+
+@pytest.fixture
+def originals():
+    """The real objects, resolved once under a temporary application (the targets import
+    megatron.training, which needs the stand-in where triton is missing)."""
+    patches.apply_megatron_patches(cpu_gloo=False, megatron_lm_cpu=True, megatron_lm_log=True)
+    found = {p.name: {t.qualname: _current(t).__wrapped__ for t in p.targets}
+             for p in (megatron_lm_cpu.PATCH, megatron_lm_log.PATCH)}
+    patches.revert_megatron_patches()
+    return found
+
+
+@pytest.mark.skipif(TRITON, reason="triton is installed: the real module imports, nothing is stood in")
+def test_apply_stands_in_for_the_triton_module_and_wraps_every_target(originals):
+    assert patches.apply_megatron_patches(cpu_gloo=True, megatron_lm_cpu=True, megatron_lm_log=True) == [
+        "cpu_gloo", "megatron_lm_cpu", "megatron_lm_log"]
+    stand_in = sys.modules[STAND_IN]
+    assert getattr(stand_in, MARKER) == "megatron_lm_cpu"
+    assert _machinery.stood_in("megatron_lm_cpu") == [STAND_IN]
+    assert stand_in.is_batch_invariant_mode_enabled() is False
+    with pytest.raises(RuntimeError, match="needs triton and a GPU"):
+        stand_in.enable_batch_invariant_mode()
+    for patch in (megatron_lm_cpu.PATCH, megatron_lm_log.PATCH):
+        for t in patch.targets:
+            now = _current(t)
+            assert getattr(now, MARKER) == patch.name, t.qualname
+            assert now.__wrapped__ is originals[patch.name][t.qualname], t.qualname
+
+
+def test_the_training_side_sees_a_cpu_device_and_the_users_torch_is_real():
+    patches.apply_megatron_patches(cpu_gloo=True, megatron_lm_cpu=True)
+    from megatron.training import initialize, training, utils
+
+    assert training.torch.tensor([1], device="cuda").device.type == "cpu"
+    assert initialize.torch.cuda.device_count() == 1  # model parallelism is initialised on CPU
+    assert utils.torch.cuda.get_device_properties(torch.device("cuda:0")).major == 0
+    assert training.torch.cuda.memory_allocated() == 0 and training.torch.cuda.empty_cache() is None
+    with training.torch.cuda.stream(training.torch.cuda.Stream()):
+        pass
+    assert torch.cuda.device_count() == 0  # outside the patched modules: the real torch
+    assert training.initialize_megatron.__wrapped__ is not None
+    assert initialize._warmup_jit_function() is None
+
+
+def test_reapply_is_a_noop_and_revert_restores_everything(originals):
+    patches.apply_megatron_patches(cpu_gloo=False, megatron_lm_cpu=True, megatron_lm_log=True)
+    first = {p.name: _snapshot(p) for p in (megatron_lm_cpu.PATCH, megatron_lm_log.PATCH)}
+    assert patches.apply_megatron_patches(cpu_gloo=False, megatron_lm_cpu=True, megatron_lm_log=True) == []
+    for patch in (megatron_lm_cpu.PATCH, megatron_lm_log.PATCH):
+        assert _snapshot(patch) == first[patch.name]
+    assert patches.revert_megatron_patches() == ["megatron_lm_log", "megatron_lm_cpu"]
+    for patch in (megatron_lm_cpu.PATCH, megatron_lm_log.PATCH):
+        _untouched(patch, originals[patch.name])
+    assert _machinery.stood_in("megatron_lm_cpu") == []
+    if not TRITON:
+        assert STAND_IN not in sys.modules  # the stand-in leaves with the patch
+        with pytest.raises(ModuleNotFoundError, match="triton"):
+            importlib.import_module(STAND_IN)
+
+
+def test_wrong_megatron_core_version_is_refused_before_anything(monkeypatch, originals):
+    monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: "0.17.0")
+    with pytest.raises(RuntimeError, match="0.17.0") as err:
+        patches.apply_megatron_patches(cpu_gloo=False, megatron_lm_cpu=True)
+    assert megatron_lm_cpu.SUPPORTED in str(err.value) and "nothing was patched" in str(err.value)
+    _untouched(megatron_lm_cpu.PATCH, originals["megatron_lm_cpu"])
+    assert patches.applied_patches() == [] and _machinery.stood_in("megatron_lm_cpu") == []
+
+
+def test_a_megatron_lm_release_with_another_pretrain_is_refused(monkeypatch, originals):
+    """Megatron-LM main's pretrain() has no extra_args_provider: the checkout is refused, nothing
+    is patched and the stand-in is removed again."""
+    patches.apply_megatron_patches(cpu_gloo=False, megatron_lm_cpu=True)
+    from megatron.training import training
+
+    real = training.pretrain
+    patches.revert_megatron_patches()
+
+    def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                 process_non_loss_data_func=None, args_defaults={}, store=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(training, "pretrain", pretrain)
+    for patch in ("megatron_lm_cpu", "megatron_lm_log"):
+        with pytest.raises(UnsupportedMegatronLM, match="core_v0.16.x") as err:
+            patches.apply_megatron_patches(cpu_gloo=False, **{patch: True})
+        assert "extra_args_provider" in str(err.value)
+        assert patches.applied_patches() == [] and _machinery.stood_in(patch) == []
+    monkeypatch.setattr(training, "pretrain", real)
+    _untouched(megatron_lm_cpu.PATCH, originals["megatron_lm_cpu"])
+
+
+def test_pretrain_signature_check_names_the_supported_tags():
+    def core_v0_16(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                   process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
+                   get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
+                   store=None, inprocess_call_wrapper=None):
+        pass
+
+    check_pretrain_signature(core_v0_16)
+
+    def renamed(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                process_non_loss_data_func=None, extra_args=None, args_defaults={},
+                get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
+                store=None, inprocess_call_wrapper=None):
+        pass
+
+    with pytest.raises(UnsupportedMegatronLM) as err:
+        check_pretrain_signature(renamed)
+    assert SUPPORTED_TAGS in str(err.value) and "extra_args_provider" in str(err.value)
+
+
+def test_cpu_patch_refuses_where_cuda_is_available(monkeypatch, originals):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CPU-only"):
+        patches.apply_megatron_patches(cpu_gloo=False, megatron_lm_cpu=True)
+    _untouched(megatron_lm_cpu.PATCH, originals["megatron_lm_cpu"])
+    assert _machinery.stood_in("megatron_lm_cpu") == []
+
+
+def test_training_log_observers_get_each_iteration_after_the_original():
+    calls = []
+
+    def original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                 skipped_iter, grad_norm, params_norm, num_zeros_in_grad, max_attention_logit, **kw):
+        calls.append(("original", iteration))
+        return "flag"
+
+    wrapped = megatron_lm_log._make_training_log(original)
+    seen = []
+    observer = seen.append
+    megatron_lm_log.add_observer(observer)
+    try:
+        out = wrapped({"objective": torch.tensor(-0.5)}, {}, 1e-3, 7, 1.0, True, 0, 0.25, None, None, 0,
+                      pg_collection=None, is_first_iteration=False)
+    finally:
+        megatron_lm_log.remove_observer(observer)
+    assert out == "flag" and calls == [("original", 7)]
+    (event,) = seen
+    assert event.iteration == 7 and event.grad_norm == 0.25 and event.learning_rate == 1e-3
+    assert float(event.loss_dict["objective"]) == -0.5 and event.skipped_iter == 0
+    wrapped({}, {}, 1e-3, 8, 1.0, True, 0, None, None, None, 0)
+    assert len(seen) == 1  # removed observers are not called
