@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from .losses import KL_ESTIMATORS, PGLossConfig
+from .losses import KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, PGLossConfig
 from .modes import mode_choices, resolve_mode
 
 #: (flag, argparse kwargs). Defaults match PGLossConfig's.
@@ -36,6 +36,18 @@ PG_FLAGS = (
     ("--pg-kl-coef", dict(type=float, default=0.0, help="KL penalty weight against the reference policy (token mean)")),
     ("--pg-kl-estimator", dict(default="k3", choices=KL_ESTIMATORS, help="per-token KL estimator")),
     ("--pg-entropy-coef", dict(type=float, default=0.0, help="entropy bonus weight (token mean)")),
+    ("--pg-policy-loss", dict(
+        default="ppo", choices=POLICY_LOSSES,
+        help="per-token policy loss: ppo (clipped surrogate), gspo (sequence ratio; exact GSPO under "
+             "seq_mean), gmpo (geometric mean of token ratios), cispo (clipped IS weight on log p)")),
+    ("--pg-rollout-correction", dict(
+        default=None, choices=ROLLOUT_CORRECTIONS,
+        help="rollout-engine correction from the rollouts' rollout_logprobs: token_truncate (TIS), "
+             "token_mask, sequence_truncate, sequence_mask (PG term only)")),
+    ("--pg-rollout-correction-max", dict(type=float, default=2.0, metavar="C",
+                                         help="cap of the correction weight; upper bound of the masks")),
+    ("--pg-rollout-correction-min", dict(type=float, default=0.0, metavar="c",
+                                         help="lower bound of the masks")),
     ("--pg-skip-nonfinite-steps", dict(
         action="store_true",
         help="skip (and count) a step whose loss or gradient is not finite instead of stopping")),
@@ -57,6 +69,10 @@ def config_from_args(args: argparse.Namespace) -> PGLossConfig:
         kl_coef=args.pg_kl_coef,
         kl_estimator=args.pg_kl_estimator,
         entropy_coef=args.pg_entropy_coef,
+        policy_loss=args.pg_policy_loss,
+        rollout_correction=args.pg_rollout_correction,
+        rollout_correction_max=args.pg_rollout_correction_max,
+        rollout_correction_min=args.pg_rollout_correction_min,
     )
 
 

@@ -14,6 +14,24 @@ with ``W_pg = sum_t k_t`` and ``D = sum_t d_t`` (the extra terms are token means
 original loss mask). Megatron divides the summed loss by ONE count (W_pg), so each microbatch
 returns ``sum_t c_t pg_t + (W_pg / D) * sum_t (kl_coef kl_t - entropy_coef H_t)`` with count
 ``sum_t k_t``: both global totals are known on the host before the step (see ``StepTotals``).
+
+Policy losses (``PGLossConfig.policy_loss``): ``pg_t`` is one of, with ``x_t = logp_t - old_t``,
+``A_t`` the advantage, ``sg`` stop-gradient, ``S_i = sum_t n_t x_t`` and ``N_i = sum_t n_t``
+over ALL of sequence i's tokens (other CP ranks included; ``N_i`` is host data from the planner):
+
+* ``ppo``: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, ``r = exp(x)`` (dual clip optional);
+* ``gspo`` (GSPO-token): the same with ``r'_t = exp(logp_t - sg(logp_t)) * sg(exp(S_i / N_i))``;
+  under ``seq_mean`` with sequence-constant advantages it is the paper's sequence-level GSPO
+  (value and gradient); the other modes weight it by length;
+* ``gmpo``: ``-A exp(m_t - sg(m_t) + sg(M_i / N_i))`` with ``m_t = a min(a x_t, a clamp(x_t,
+  -eps_low, eps_high))``, ``a = sign(A_t)``, ``M_i = sum_t n_t m_t``: under ``seq_mean`` it is the
+  geometric-mean objective ``-A_i exp(M_i / N_i)`` with its exact gradient;
+* ``cispo``: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp`` (token level).
+
+The sequence statistics ``S_i``/``M_i`` are detached sums: ONE all-reduce of a ``[sequences in the
+part]`` vector over the context-parallel group per microbatch (none for ppo/cispo), no host sync.
+A rollout-engine correction (planner, host) multiplies ``pg_t`` by a per-token weight and/or
+removes tokens from the numerator; it never touches the KL and entropy terms.
 """
 from __future__ import annotations
 
@@ -27,8 +45,16 @@ from .modes import TOKEN_MEAN, resolve_mode
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
+POLICY_LOSSES = ("ppo", "gspo", "gmpo", "cispo")
+SEQUENCE_POLICY_LOSSES = ("gspo", "gmpo")
+"""Policy losses that need a per-sequence statistic (one CP all-reduce per microbatch)."""
+ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 REPORT_KEYS = ("objective", "pg_loss", "clip_fraction", "ratio", "kl", "entropy")
 """The ``[sum, count]`` pairs :func:`pg_loss_sum` reports (``kl`` and ``entropy`` when computed)."""
+CORRECTION_REPORT_KEYS = ("correction_masked", "correction_truncated", "correction_weight")
+"""Pairs reported with a rollout correction: tokens masked / truncated over valid tokens, and the
+mean PG weight over numerator tokens (host sums from the planner, per microbatch)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,16 @@ class PGLossConfig:
     report_entropy: bool = True
     """Compute the entropy for the report even when entropy_coef is 0 (one more pass over the
     vocabulary shard and, with TP, one more small all-reduce per microbatch)."""
+    policy_loss: str = "ppo"
+    """Per-token policy loss: ppo, gspo, gmpo or cispo (module docstring); the aggregation mode
+    stays orthogonal."""
+    rollout_correction: Optional[str] = None
+    """Rollout-engine correction from ``rollout_logprobs`` (planner, host): token_truncate (TIS),
+    token_mask, sequence_truncate, sequence_mask; None = off."""
+    rollout_correction_max: float = 2.0
+    """C: truncation cap of the importance weight, and upper bound of the masks."""
+    rollout_correction_min: float = 0.0
+    """c: lower bound of the masks (tokens or sequences with weight below it leave the numerator)."""
     canonical_mode: str = field(init=False, default=TOKEN_MEAN)
     """The resolved canonical mode (set from ``mode``)."""
 
@@ -75,6 +111,17 @@ class PGLossConfig:
             raise ValueError(
                 f"kl_coef and entropy_coef must be >= 0; got {self.kl_coef}, {self.entropy_coef}"
             )
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}; got {self.policy_loss!r}")
+        if self.dual_clip is not None and self.policy_loss != "ppo":
+            raise ValueError(f"dual_clip applies to the ppo policy loss only; got policy_loss={self.policy_loss!r}")
+        if self.rollout_correction is not None and self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of {ROLLOUT_CORRECTIONS} or None; "
+                             f"got {self.rollout_correction!r}")
+        if not self.rollout_correction_max > self.rollout_correction_min >= 0:
+            raise ValueError(
+                "rollout correction bounds need C > c >= 0 (weights are capped at C; masks keep "
+                f"[c, C]); got C={self.rollout_correction_max}, c={self.rollout_correction_min}")
 
     @property
     def needs_reference(self) -> bool:
@@ -83,6 +130,11 @@ class PGLossConfig:
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0 or self.report_entropy
+
+    @property
+    def needs_sequence_statistic(self) -> bool:
+        """gspo/gmpo: a per-sequence sum over all of a sequence's tokens (CP all-reduce)."""
+        return self.policy_loss in SEQUENCE_POLICY_LOSSES
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -153,6 +205,13 @@ def vocab_parallel_logprobs(
     return logprobs, entropy
 
 
+def clipped_surrogate(ratio, advantages, cfg: PGLossConfig):
+    """``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and whether the clip was active."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def ppo_token_losses(logprobs, old_logprobs, advantages, cfg: PGLossConfig):
     """Per-token clipped surrogate ``pg_t`` and the ratio / clipped indicator for statistics.
 
@@ -161,16 +220,68 @@ def ppo_token_losses(logprobs, old_logprobs, advantages, cfg: PGLossConfig):
     a NaN there would not reach the loss but would poison the gradient of exp().
     """
     ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    was_clipped = clipped > unclipped
+    loss, was_clipped = clipped_surrogate(ratio, advantages, cfg)
     if cfg.dual_clip is not None:
         cap = -advantages * cfg.dual_clip
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)
         was_clipped = was_clipped | dual
     return loss, ratio, was_clipped
+
+
+class SequenceStatistic:
+    """Per-sequence sums of one part (a microbatch, on one CP rank), completed over the CP group.
+
+    ``cu_seqlens`` are the part's local sequence boundaries (packed; with CP, this rank's share of
+    each sequence is contiguous: the padded boundaries divided by the CP size), ``num_tokens`` the
+    host counts ``N_i`` of each sequence's numerator tokens over ALL CP ranks. ``mean(values, n)``
+    returns, per token, ``sg(sum_{t in i} n_t v_t) / N_i`` of the token's sequence (0 where
+    ``N_i = 0``): one detached all-reduce of a ``[sequences]`` vector, no host sync.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, num_tokens: torch.Tensor, total: int, cp_group=None):
+        positions = torch.arange(total, device=cu_seqlens.device)
+        self.segment = torch.searchsorted(cu_seqlens[1:].to(torch.long).contiguous(), positions, right=True)
+        self.segment = self.segment.clamp_(max=num_tokens.numel() - 1)  # padding past the last boundary
+        self.num_tokens = num_tokens.to(torch.float32)
+        self.cp_group = cp_group
+
+    def mean(self, values: torch.Tensor, numerator_mask: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            sums = torch.zeros_like(self.num_tokens).index_add_(
+                0, self.segment, torch.where(numerator_mask, values.float(), 0.0))
+            if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
+                torch.distributed.all_reduce(sums, group=self.cp_group)
+            mean = torch.where(self.num_tokens > 0, sums / self.num_tokens.clamp(min=1.0), 0.0)
+        return mean[self.segment]
+
+
+def policy_token_losses(logprobs, old_logprobs, advantages, numerator_mask, cfg: PGLossConfig,
+                        sequences: Optional[SequenceStatistic] = None):
+    """``(pg_t, ratio_t, clipped_t)`` for ``cfg.policy_loss`` (formulas in the module docstring);
+    gspo/gmpo need ``sequences``. ``ratio_t`` is the importance ratio each loss uses (reported)."""
+    if cfg.policy_loss == "ppo":
+        return ppo_token_losses(logprobs, old_logprobs, advantages, cfg)
+    log_ratio = logprobs - old_logprobs
+    if cfg.policy_loss == "cispo":
+        ratio = torch.exp(log_ratio)
+        weight = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high).detach()
+        return -weight * advantages * logprobs, ratio, weight != ratio.detach()
+    if sequences is None:
+        raise ValueError(f"policy_loss={cfg.policy_loss!r} needs the part's sequences (cu_seqlens and "
+                         "the planner's per-sequence numerator counts)")
+    if cfg.policy_loss == "gspo":
+        seq_ratio = torch.exp(sequences.mean(log_ratio, numerator_mask))  # s_i, detached
+        ratio = torch.exp(logprobs - logprobs.detach()) * seq_ratio  # value s_i, gradient s_i dlogp
+        loss, was_clipped = clipped_surrogate(ratio, advantages, cfg)
+        return loss, ratio, was_clipped
+    # gmpo: clip in log space, sign-aware; the value is the sequence's geometric mean
+    sign = torch.where(advantages >= 0, 1.0, -1.0)
+    clipped_log = torch.clamp(log_ratio, -cfg.clip_eps_low, cfg.clip_eps_high)
+    m = sign * torch.minimum(sign * log_ratio, sign * clipped_log)
+    seq_mean = sequences.mean(m, numerator_mask)  # M_i / N_i, detached
+    ratio = torch.exp(m - m.detach() + seq_mean)
+    return -advantages * ratio, ratio, m.detach() != log_ratio.detach()
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator: str):
@@ -211,15 +322,25 @@ def pg_loss_sum(
     cfg: PGLossConfig,
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
+    sequences: Optional[SequenceStatistic] = None,
+    pg_weights: Optional[torch.Tensor] = None,
+    extra_report: Optional[dict] = None,
 ):
     """One part's ``(loss_sum, count, report)`` in Megatron-core's per-token-loss contract.
+
+    ``sequences`` (gspo/gmpo): the part's :class:`SequenceStatistic`. ``pg_weights``: per-token
+    rollout-correction weights multiplying ``pg_t`` only (None = 1). ``extra_report``: more
+    ``[sum, count]`` pairs (the planner's correction counts) merged into the report.
 
     ``report`` maps names to detached float32 ``[sum, count]`` pairs that Megatron-LM's logger
     sums over microbatches and DP x CP ranks and divides: ``objective`` (the full J),
     ``pg_loss`` (J_pg), ``clip_fraction`` and ``ratio`` (over numerator tokens), ``kl`` and
     ``entropy`` (over denominator tokens) when computed.
     """
-    pg, ratio, was_clipped = ppo_token_losses(logprobs, old_logprobs, advantages, cfg)
+    pg, ratio, was_clipped = policy_token_losses(logprobs, old_logprobs, advantages, numerator_mask, cfg,
+                                                 sequences)
+    if pg_weights is not None:
+        pg = pg * pg_weights
     pg_sum, count = weighted_sum(pg, numerator_mask, weights, validate=False)
     loss_sum = pg_sum
     # counts straight from the bool masks: no float copies of per-token tensors
@@ -247,4 +368,6 @@ def pg_loss_sum(
             loss_sum = loss_sum - (cfg.entropy_coef * scale) * ent
         report["entropy"] = torch.stack([ent.detach(), den_tokens])
     report["objective"] = torch.stack([loss_sum.detach().clone(), count_f])
+    if extra_report:
+        report.update(extra_report)
     return loss_sum, count, report

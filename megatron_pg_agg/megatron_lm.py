@@ -336,7 +336,8 @@ class Actor:
         mb = item.microbatch.to("cuda") if self.cuda else item.microbatch
         output = forward_microbatch(model, mb)
         return output, partial(pg_loss_func, mb, self.loss_cfg, item.totals,
-                               mpu.get_tensor_model_parallel_group())
+                               mpu.get_tensor_model_parallel_group(),
+                               cp_group=mpu.get_context_parallel_group())
 
     def _check_config(self, model) -> None:
         """The real model config and DDP config Megatron-LM built, checked before the first

@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .losses import PGLossConfig, StepTotals, pg_loss_sum, vocab_parallel_logprobs
+from .losses import PGLossConfig, SequenceStatistic, StepTotals, pg_loss_sum, vocab_parallel_logprobs
 from .planner import Microbatch
 
 
@@ -120,12 +120,20 @@ def packed_seq_params(mb: Microbatch):
     )
 
 
-def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_group, output_tensor):
-    """Megatron loss_func: vocab-parallel logits ``[1, T, V/tp]`` -> ``(loss, count, report)``."""
+def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_group, output_tensor,
+                 cp_group=None):
+    """Megatron loss_func: vocab-parallel logits ``[1, T, V/tp]`` -> ``(loss, count, report)``.
+
+    ``cp_group``: the context-parallel group, over which gspo/gmpo complete their per-sequence
+    statistic (one all-reduce per microbatch; unused by ppo/cispo)."""
     logits = output_tensor[0]
     logprobs, entropy = vocab_parallel_logprobs(
         logits, mb.labels[0], tp_group=tp_group, with_entropy=loss_cfg.needs_entropy
     )
+    sequences = None
+    if loss_cfg.needs_sequence_statistic:
+        sequences = SequenceStatistic(mb.cu_seqlens_local, mb.seq_numerator_tokens, logprobs.numel(),
+                                      cp_group=cp_group)
     loss, count, report = pg_loss_sum(
         logprobs,
         old_logprobs=mb.old_logprobs,
@@ -137,6 +145,9 @@ def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_
         cfg=loss_cfg,
         ref_logprobs=mb.ref_logprobs,
         entropy=entropy,
+        sequences=sequences,
+        pg_weights=mb.pg_weights,
+        extra_report=mb.correction_report,
     )
     return loss, count, report
 
@@ -152,7 +163,8 @@ def forward_microbatch(model, mb: Microbatch):
     )
 
 
-def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=None, device=None):
+def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=None, cp_group=None,
+                      device=None):
     """A ``forward_step_func`` for ``get_forward_backward_func()`` running GPTModel on packed THD
     microbatches from the data iterator (one iterator of :class:`Microbatch` per model chunk)."""
 
@@ -160,6 +172,7 @@ def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=No
         mb = next(data_iterator)
         if device is not None:
             mb = mb.to(device)
-        return forward_microbatch(model, mb), partial(pg_loss_func, mb, loss_cfg, totals, tp_group)
+        return forward_microbatch(model, mb), partial(pg_loss_func, mb, loss_cfg, totals, tp_group,
+                                                      cp_group=cp_group)
 
     return forward_step

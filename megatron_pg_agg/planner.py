@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -53,6 +53,10 @@ class Microbatch:
     cu_seqlens_padded: torch.Tensor  # int32 [S+1]: padded lengths (token offsets in this batch)
     max_seqlen: int
     sequence_ids: list  # canonical indices of the sequences packed here
+    cu_seqlens_local: Optional[torch.Tensor] = None  # int32 [S+1]: this CP rank's share of each sequence
+    seq_numerator_tokens: Optional[torch.Tensor] = None  # float32 [S]: N_i over all CP ranks
+    pg_weights: Optional[torch.Tensor] = None  # float32 [T]: rollout-correction weight of pg_t
+    correction_report: Optional[dict] = None  # name -> float32 [sum, count] (host sums)
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +66,11 @@ class Microbatch:
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=True) if isinstance(value, (torch.Tensor, TokenWeights)) else value
+            if isinstance(value, (torch.Tensor, TokenWeights)):
+                value = value.to(device, non_blocking=True)
+            elif isinstance(value, dict):
+                value = {k: v.to(device, non_blocking=True) for k, v in value.items()}
+            moved[f.name] = value
         return Microbatch(**moved)
 
 
@@ -186,8 +194,10 @@ def plan_step(
         if not rollouts:
             raise PlanError("the step has no rollouts")
         batch = RolloutBatch.from_rollouts(rollouts, vocab_size=plan_cfg.vocab_size)
-    if loss_cfg.needs_reference and batch.ref_logprobs is None:
-        raise PlanError("ref_logprobs is missing (on at least one rollout) but kl_coef > 0 needs it")
+    require_inputs(batch, loss_cfg)
+    correction = rollout_correction(batch, loss_cfg)
+    if correction is not None:  # masked tokens leave the numerator (they keep the denominator)
+        batch = replace(batch, numerator_mask=correction.numerator_mask)
     num_seqs = len(batch)
 
     # 2. canonical order (groups consecutive) and padding
@@ -287,12 +297,20 @@ def plan_step(
         "old_logprobs": with_sentinel(batch.old_logprobs)[valid_index],
         "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
     }
+    if correction is not None:
+        layout["pg_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
+        layout["corr_masked"] = with_sentinel(correction.masked)[scored_index]
+        layout["corr_truncated"] = with_sentinel(correction.truncated)[scored_index]
     layout_weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
                                   with_sentinel(weights.count)[c_index], weights.mode)
 
     # host lists once; each bin is a run of them and a slice of every per-token tensor
     seq_pad_all = seq_padded.tolist()
     seq_real_all = length[rollout_of].tolist()
+    numerator_per_rollout = torch.zeros(num_seqs, dtype=torch.float32).index_add_(
+        0, segment_ids(r_start, r_total),
+        (batch.loss_mask if batch.numerator_mask is None else batch.numerator_mask).float())
+    seq_num_all = numerator_per_rollout[rollout_of].tolist()
     originals_all = rollout_of.tolist()
     bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
                  for first, members in zip(_running([0] + [len(m) for m in bins])[:-1], bins)]
@@ -324,6 +342,9 @@ def plan_step(
             raise PlanError("padding microbatches to one length with cp_size > 1 is not supported: the extra "
                             "padding would not follow the CP chunk layout")
         cut = {k: (None if v is None else v[part]) for k, v in layout.items()}
+        report = None if correction is None else _correction_report(cut)
+        for k in ("corr_masked", "corr_truncated"):
+            cut.pop(k, None)
         w = layout_weights[part]
         if extra:  # the last sequence's padding grows; the extra positions score nothing
             seq_pad[-1] += extra
@@ -343,6 +364,10 @@ def plan_step(
             cu_seqlens_padded=torch.tensor([0, *_running(seq_pad)], dtype=torch.int32),
             max_seqlen=max(seq_pad),
             sequence_ids=originals_all[here],
+            cu_seqlens_local=torch.tensor([0, *_running(seq_pad)], dtype=torch.int32) // cp,
+            seq_numerator_tokens=torch.tensor(seq_num_all[here], dtype=torch.float32),
+            pg_weights=cut.get("pg_weights"),
+            correction_report=report,
         )
     flat = [t for row in bin_tokens for t in row]
     per_rank = [sum(row) for row in bin_tokens]
@@ -358,6 +383,74 @@ def plan_step(
         "valid_tokens": totals.valid_tokens,
     }
     return StepPlan(microbatches, totals, group_sizes, bin_tokens, stats)
+
+
+def require_inputs(batch: RolloutBatch, loss_cfg) -> None:
+    """The per-token inputs the loss config needs are in the data (a PlanError names the flag)."""
+    if loss_cfg.needs_reference and batch.ref_logprobs is None:
+        raise PlanError("ref_logprobs is missing (on at least one rollout) but kl_coef > 0 needs it")
+    if getattr(loss_cfg, "rollout_correction", None) and batch.rollout_logprobs is None:
+        raise PlanError(f"rollout_logprobs is missing (on at least one rollout) but the rollout correction "
+                        f"{loss_cfg.rollout_correction!r} needs it: add the rollout engine's log-probs to "
+                        "the rollouts, or drop --pg-rollout-correction")
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """A step's rollout-engine correction on the response tokens (rollout order), host tensors."""
+
+    numerator_mask: torch.Tensor
+    """bool: the numerator after masking (tokens outside [c, C] leave it; the denominator stays)."""
+    weights: torch.Tensor
+    """float32: the weight of each token's PG term (truncated importance weight, else 1)."""
+    masked: torch.Tensor
+    """bool: valid tokens the correction removed from the numerator."""
+    truncated: torch.Tensor
+    """bool: valid tokens whose weight was capped at C."""
+
+
+def rollout_correction(batch: RolloutBatch, loss_cfg) -> Optional[RolloutCorrection]:
+    """The correction ``loss_cfg.rollout_correction`` asks for (None when off), from
+    ``delta_t = old_logprobs_t - rollout_logprobs_t`` (the trainer's behaviour policy against the
+    engine that sampled): token_truncate ``w_t = min(exp(delta_t), C)`` (TIS); token_mask keeps
+    tokens with ``exp(delta_t)`` in ``[c, C]``; sequence_truncate ``w_i = min(exp(mean_i delta), C)``
+    and sequence_mask keep or drop a whole sequence on ``exp(mean_i delta)``, the mean over the
+    sequence's valid (denominator) tokens. Computed once per step on the host."""
+    kind = getattr(loss_cfg, "rollout_correction", None)
+    if kind is None:
+        return None
+    valid = batch.loss_mask
+    numerator = valid if batch.numerator_mask is None else batch.numerator_mask
+    delta = torch.where(valid, batch.old_logprobs.double() - batch.rollout_logprobs.double(), 0.0)
+    if kind.startswith("sequence"):
+        r_start = exclusive_cumsum(batch.response_lengths)
+        owner = segment_ids(r_start, int(r_start[-1]))
+        n = len(batch)
+        sums = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, delta)
+        counts = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, valid.double())
+        delta = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)[owner]
+    ratio = torch.exp(delta)
+    cap, floor = loss_cfg.rollout_correction_max, loss_cfg.rollout_correction_min
+    no = torch.zeros_like(valid)
+    if kind.endswith("truncate"):
+        truncated = valid & (ratio > cap)
+        weights = torch.where(valid, ratio.clamp(max=cap), 1.0).float()
+        return RolloutCorrection(numerator, weights, no, truncated)
+    keep = (ratio >= floor) & (ratio <= cap)
+    return RolloutCorrection(numerator & keep, torch.ones_like(ratio, dtype=torch.float32), valid & ~keep, no)
+
+
+def _correction_report(cut: dict) -> dict:
+    """Per-microbatch host sums: ``[masked, valid]``, ``[truncated, valid]``, ``[sum w, numerator]``."""
+    den = cut["denominator_mask"]
+    valid = float(den.sum())
+    num = cut["numerator_mask"]
+    return {
+        "correction_masked": torch.tensor([float(cut["corr_masked"].sum()), valid]),
+        "correction_truncated": torch.tensor([float(cut["corr_truncated"].sum()), valid]),
+        "correction_weight": torch.tensor([float(torch.where(num, cut["pg_weights"], 0.0).sum()),
+                                           float(num.sum())]),
+    }
 
 
 def _running(values: list) -> list:

@@ -17,6 +17,8 @@ field                required  value
 ``advantages``       yes       array of numbers, one per response token
 ``old_logprobs``     yes       array of numbers, one per response token (behaviour policy)
 ``ref_logprobs``     no        array of numbers, one per response token (reference policy), or null
+``rollout_logprobs`` no        array of numbers, one per response token (the rollout engine's
+                               sampler), or null; required by a rollout-engine correction
 ``numerator_mask``   no        array of 0/1, one per response token, 1 only where ``loss_mask`` is 1
                                (0 filters a token out of the numerator only), or null
 ===================  ========  ====================================================================
@@ -73,13 +75,13 @@ __all__ = ["RolloutFormatError", "load_rollouts", "write_rollouts"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 REQUIRED_FIELDS = ("step", "group_id", "prompt_ids", "response_ids", "loss_mask", "advantages", "old_logprobs")
-OPTIONAL_FIELDS = ("ref_logprobs", "numerator_mask")
+OPTIONAL_FIELDS = ("ref_logprobs", "numerator_mask", "rollout_logprobs")
 KNOWN_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 _KNOWN_SET = frozenset(KNOWN_FIELDS)
 _INT = {int}
 _NUMBER = {int, float}
 _BITS = {0, 1}
-_LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs")
+_LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
 class RolloutFormatError(ValueError):
@@ -276,12 +278,11 @@ def _rollout_from_record(record: dict, fail: Fail, vocab_size: Optional[int], re
                                    "where loss_mask is 1 (the numerator is a subset of the valid tokens)")
     advantages = _check_numbers(record, "advantages", loss_mask, fail)
     old_logprobs = _check_numbers(record, "old_logprobs", loss_mask, fail)
-    ref_logprobs = None
-    if record.get("ref_logprobs") is not None:
-        ref_logprobs = _check_numbers(record, "ref_logprobs", loss_mask, fail)
+    optional = {name: _check_numbers(record, name, loss_mask, fail)
+                for name in ("ref_logprobs", "rollout_logprobs") if record.get(name) is not None}
     return step, Rollout(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=loss_mask,
                          advantages=advantages, old_logprobs=old_logprobs, group_id=group_id,
-                         ref_logprobs=ref_logprobs, numerator_mask=numerator_mask)
+                         numerator_mask=numerator_mask, **optional)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -426,7 +427,7 @@ def _checked_lines(path, steps: dict):
                                  f"{home[1]}); expected a prompt group in one step")
             # write the loaded form: non-finite values at masked positions become 0.0, so the
             # file is strict JSON and loads back to exactly what load_rollouts returns
-            for name in ("advantages", "old_logprobs", "ref_logprobs"):
+            for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
                 if name in record:
                     record[name] = getattr(checked, name)
             yield _ENCODER.encode(record)

@@ -45,6 +45,9 @@ class Rollout:
     """Per response token log-prob under the reference policy (needed for a KL penalty)."""
     numerator_mask: Optional[Sequence[int]] = None
     """Per response token: 0 removes a token from the numerator only (filtering); None = loss_mask."""
+    rollout_logprobs: Optional[Sequence[float]] = None
+    """Per response token log-prob under the rollout engine's sampler (vLLM, SGLang): needed by a
+    rollout-engine correction, which compares it with ``old_logprobs``."""
 
 
 def _positive_logprob(i: int, name: str, j: int, value: float) -> str:
@@ -57,7 +60,7 @@ def check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
     resp = len(r.response_ids)
     if resp == 0:
         raise PlanError(f"rollout {i}: response_ids is empty (a response needs at least one token)")
-    for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "numerator_mask"):
+    for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "numerator_mask", "rollout_logprobs"):
         values = getattr(r, name)
         if values is not None and len(values) != resp:
             raise PlanError(f"rollout {i}: {name} has {len(values)} entries but response_ids has {resp}")
@@ -73,12 +76,14 @@ def check_rollout(i: int, r: Rollout, vocab_size: Optional[int]) -> None:
             raise PlanError(f"rollout {i}: loss_mask[{j}]={m!r} must be 0 or 1")
         if m and not (math.isfinite(a) and math.isfinite(lp)):
             raise PlanError(f"rollout {i}: non-finite advantages/old_logprobs at valid position {j}")
-        if m and r.ref_logprobs is not None and not math.isfinite(r.ref_logprobs[j]):
-            raise PlanError(f"rollout {i}: non-finite ref_logprobs at valid position {j}")
         if m and lp > LOGPROB_TOLERANCE:
             raise PlanError(_positive_logprob(i, "old_logprobs", j, lp))
-        if m and r.ref_logprobs is not None and r.ref_logprobs[j] > LOGPROB_TOLERANCE:
-            raise PlanError(_positive_logprob(i, "ref_logprobs", j, r.ref_logprobs[j]))
+        for name in ("ref_logprobs", "rollout_logprobs"):
+            values = getattr(r, name)
+            if m and values is not None and not math.isfinite(values[j]):
+                raise PlanError(f"rollout {i}: non-finite {name} at valid position {j}")
+            if m and values is not None and values[j] > LOGPROB_TOLERANCE:
+                raise PlanError(_positive_logprob(i, name, j, values[j]))
     if r.numerator_mask is not None:
         for j, (n, m) in enumerate(zip(r.numerator_mask, r.loss_mask)):
             if n and not m:
@@ -109,6 +114,8 @@ class RolloutBatch:
     """float32 ``[sum R]`` or None."""
     numerator_mask: Optional[torch.Tensor] = None
     """bool ``[sum R]`` (filtering; within loss_mask) or None for no filtering."""
+    rollout_logprobs: Optional[torch.Tensor] = None
+    """float32 ``[sum R]`` (the rollout engine's log-probs) or None."""
     group_labels: Optional[list] = None
     """The original group ids, indexed by ``group_index`` (for messages); optional."""
 
@@ -126,6 +133,7 @@ class RolloutBatch:
                 index[r.group_id] = len(labels)
                 labels.append(r.group_id)
         with_ref = all(r.ref_logprobs is not None for r in rollouts)
+        with_rollout = all(r.rollout_logprobs is not None for r in rollouts)
         with_num = any(r.numerator_mask is not None for r in rollouts)
 
         def flat(values, dtype):
@@ -143,6 +151,8 @@ class RolloutBatch:
             old_logprobs=flat((r.old_logprobs for r in rollouts), torch.float32),
             group_index=torch.tensor([index[r.group_id] for r in rollouts], dtype=torch.long),
             ref_logprobs=flat((r.ref_logprobs for r in rollouts), torch.float32) if with_ref else None,
+            rollout_logprobs=(flat((r.rollout_logprobs for r in rollouts), torch.float32)
+                              if with_rollout else None),
             numerator_mask=(flat((r.numerator_mask if r.numerator_mask is not None else r.loss_mask
                                   for r in rollouts), torch.bool) & loss_mask) if with_num else None,
             group_labels=labels,
@@ -161,7 +171,8 @@ class RolloutBatch:
         p_total, r_total = int(self.prompt_lengths.sum()), int(self.response_lengths.sum())
         if self.prompt_tokens.numel() != p_total:
             raise PlanError(f"prompt_tokens holds {self.prompt_tokens.numel()} ids but prompt_lengths sum to {p_total}")
-        for name in ("response_tokens", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "numerator_mask"):
+        for name in ("response_tokens", "loss_mask", "advantages", "old_logprobs", "ref_logprobs",
+                     "numerator_mask", "rollout_logprobs"):
             t = getattr(self, name)
             if t is not None and t.numel() != r_total:
                 raise PlanError(f"{name} holds {t.numel()} entries but response_lengths sum to {r_total}")
@@ -184,14 +195,14 @@ class RolloutBatch:
                     raise PlanError(f"rollout {i}: {name}[{k - int(ps[i])}]={int(tokens[k])} is outside the "
                                     f"vocabulary [0, {vocab_size})")
         valid = self.loss_mask
-        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+        for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
             t = getattr(self, name)
             if t is not None:
                 bad = valid & ((t - t) != 0)  # x - x is NaN exactly when x is NaN or +-inf
                 if bool(bad.any()):
                     i, j = owner(int(bad.int().argmax()))
                     raise PlanError(f"rollout {i}: non-finite {name} at valid position {j}")
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
             t = getattr(self, name)
             if t is not None:
                 bad = valid & (t > LOGPROB_TOLERANCE)

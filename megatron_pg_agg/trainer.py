@@ -519,8 +519,9 @@ def train(args) -> dict:
         optimizer.zero_grad()
         if experts:  # the router losses' per-step factor W / M_total (host integers, no collective)
             begin_moe_step(plan.totals.pg_weight, len(mbs), dp_size)
-        forward_step = make_forward_step(loss_cfg, plan.totals,
-                                         tp_group=parallel_state.get_tensor_model_parallel_group(), device=device)
+        forward_step = make_forward_step(loss_cfg, plan.totals, device=device,
+                                         tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                         cp_group=parallel_state.get_context_parallel_group())
         store = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(mbs) for _ in model] if len(model) > 1 else iter(mbs),

@@ -178,3 +178,31 @@ def test_megatron_loss_func_trace_is_sync_free(mode):
         loss.backward()
     assert count.dtype == torch.int32 and set(report) >= {"objective", "pg_loss", "kl", "entropy"}
     assert trace.violations == [], trace.violations
+
+
+@pytest.mark.parametrize("policy,correction", [("gspo", "token_truncate"), ("gmpo", "sequence_mask"),
+                                               ("cispo", "sequence_truncate")])
+def test_sequence_level_losses_and_corrections_trace_is_sync_free(policy, correction):
+    """gspo/gmpo's per-sequence statistic (segment ids from cu_seqlens, index_add, gather) and the
+    correction's per-token weights add no host sync to the loss path."""
+    from megatron_pg_agg.losses import PGLossConfig
+    from megatron_pg_agg.megatron_loss import pg_loss_func
+    from megatron_pg_agg.planner import PlanConfig, plan_step
+
+    from rollouts import VOCAB, fixed_step
+
+    rollouts = fixed_step()
+    for r in rollouts:
+        r.rollout_logprobs = [min(lp + 0.3 * ((j % 3) - 1), 0.0) for j, lp in enumerate(r.old_logprobs)]
+    cfg = PGLossConfig(mode="seq_mean", policy_loss=policy, rollout_correction=correction,
+                       rollout_correction_max=1.2, rollout_correction_min=0.8)
+    plan = plan_step(rollouts, cfg, PlanConfig(dp_size=2, num_microbatches=2))
+    mb = plan.for_rank(0)[1]
+    logits = torch.randn(1, mb.num_tokens, VOCAB, requires_grad=True)
+    trace = OpTrace()
+    with trace:
+        loss, count, report = pg_loss_func(mb, cfg, plan.totals, None, logits)
+        loss.backward()
+    assert set(report) >= {"correction_masked", "correction_truncated", "correction_weight"}
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    assert trace.violations == [], trace.violations
