@@ -308,6 +308,10 @@ class Actor:
                 "refusing to start: the rollouts do not fit Megatron-LM's flags (padded vocabulary "
                 f"{args.padded_vocab_size}, {plan_cfg.num_microbatches} microbatches of at most "
                 f"{args.seq_length} tokens per DP rank):\n- " + "\n- ".join(problems))
+        from .planner import policy_loss_notes
+
+        for note in policy_loss_notes(self.steps, self.loss_cfg):
+            _say(f"note: {note}")
         if mpu.get_data_parallel_rank() == 0 and args.rank == 0:
             _say(f"{len(feed.keys)} rollout steps, mode={self.loss_cfg.canonical_mode}, "
                  f"{plan_cfg.num_microbatches} microbatches x DP {plan_cfg.dp_size} per step, "

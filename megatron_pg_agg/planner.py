@@ -395,6 +395,35 @@ def require_inputs(batch: RolloutBatch, loss_cfg) -> None:
                         "the rollouts, or drop --pg-rollout-correction")
 
 
+def policy_loss_notes(batches: dict, loss_cfg) -> list:
+    """What a user should read once at start-up about the policy loss on these rollout steps
+    (``{step: RolloutBatch}``): GSPO is the paper's objective only under seq_mean (other modes
+    weight each sequence's term by its length), and its sequence ratio assumes one advantage
+    per sequence (token-level advantages are used as given, and reported)."""
+    if getattr(loss_cfg, "policy_loss", "ppo") != "gspo":
+        return []
+    notes = []
+    if loss_cfg.canonical_mode != "seq_mean":
+        notes.append(f"gspo with --pg-loss-aggregation {loss_cfg.canonical_mode}: each sequence's GSPO term is "
+                     "weighted by its length; the paper's GSPO (value and gradient) is gspo under seq_mean")
+    varying = total = 0
+    for batch in batches.values():
+        r_start = exclusive_cumsum(batch.response_lengths)
+        owner = segment_ids(r_start, int(r_start[-1]))
+        adv = batch.advantages.double()
+        big = torch.finfo(torch.float64).max
+        low = torch.full((len(batch),), big, dtype=torch.float64).scatter_reduce(
+            0, owner, torch.where(batch.loss_mask, adv, big), reduce="amin")
+        high = torch.full((len(batch),), -big, dtype=torch.float64).scatter_reduce(
+            0, owner, torch.where(batch.loss_mask, adv, -big), reduce="amax")
+        varying += int(((high - low) > 1e-6).sum())
+        total += len(batch)
+    if varying:
+        notes.append(f"gspo: advantages vary within {varying} of {total} sequences; GSPO's sequence ratio "
+                     "assumes one advantage per sequence (token-level advantages are used as given)")
+    return notes
+
+
 @dataclass(frozen=True)
 class RolloutCorrection:
     """A step's rollout-engine correction on the response tokens (rollout order), host tensors."""

@@ -235,13 +235,14 @@ def load_steps(args) -> dict:
 def _check_steps(steps: dict, args, world: int) -> dict:
     """Every step must be plannable before the first update: a step that would fail at iteration
     k must not let iterations 0..k-1 train first. Returns the steps packed as RolloutBatch."""
-    from .planner import PlanConfig, PlanError, RolloutBatch, padded_lengths
+    from .planner import PlanConfig, PlanError, RolloutBatch, padded_lengths, policy_loss_notes, require_inputs
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     dp = world // (tp * pp * cp)
     cfg = PlanConfig(dp_size=dp, max_tokens_per_microbatch=args.max_tokens_per_microbatch, tp_size=tp,
                      sequence_parallel=args.sequence_parallel, cp_size=cp)
     bins = dp * (args.num_microbatches or 2) if args.max_tokens_per_microbatch is None else dp
+    loss_cfg = config_from_args(args)
     packed = {}
     for key, rollouts in steps.items():
         try:
@@ -250,12 +251,16 @@ def _check_steps(steps: dict, args, world: int) -> dict:
             # packed once: each iteration then plans from flat tensors (vectorised, fast)
             packed[key] = RolloutBatch.from_rollouts(rollouts, vocab_size=args.vocab_size)
             padded_lengths(packed[key], cfg, step=key)
+            require_inputs(packed[key], loss_cfg)
             if len(rollouts) < bins:
                 raise PlanError(f"step {key} has {len(rollouts)} responses, fewer than the {bins} "
                                 f"microbatches ({dp} DP ranks) it must fill")
         except PlanError as err:
             where = "" if str(err).startswith("step ") else f"step {key}: "
             raise StartupError(f"refusing to start: {where}{err}") from err
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in policy_loss_notes(packed, loss_cfg):
+            print(f"[train] note: {note}", file=sys.stderr, flush=True)
     return packed
 
 
@@ -389,6 +394,21 @@ def _param_checksum(model) -> float:
     return float(total)
 
 
+def _grad_square_sum(model, device=None) -> float:
+    """Sum of squared main gradients over every rank (replicas counted each time): 0 exactly
+    when every gradient is 0."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for chunk in model:
+        for p in chunk.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                total += p.main_grad.detach().double().square().sum()
+    dist.all_reduce(total)
+    return float(total)
+
+
 def train(args) -> dict:
     """Run the whole job; returns rank 0's last metrics record (empty dict elsewhere)."""
     import torch
@@ -436,7 +456,8 @@ def train(args) -> dict:
         vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
         vpp = vpp if vpp > 1 else None
     ep = args.expert_model_parallel_size
-    init_parallel(tp, pp, vpp, cp, seed=args.seed, ep=ep)
+    # every group megatron creates (DP, TP, PP, ...) gets the timeout too, not only the default one
+    init_parallel(tp, pp, vpp, cp, seed=args.seed, ep=ep, timeout_minutes=args.distributed_timeout_minutes)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # the allgather dispatcher refuses variable_seq_lengths, and on gloo its EP all-gather needs
     # one token count per microbatch on every rank: pad microbatches to one length there
@@ -554,6 +575,11 @@ def train(args) -> dict:
             skipped = True
             state.skipped += 1
             grad_norm = float("nan")
+        elif plan.totals.pg_weight == 0:
+            # W = 0 (every response token masked): J = 0 and every gradient is 0 by the contract.
+            # Nothing to learn, so no optimizer step (Adam's momentum would still move the weights
+            # and advance its step count); the logged grad_norm is 0 exactly when every gradient is.
+            grad_norm = _grad_square_sum(model, device) ** 0.5
         else:
             ok, grad_norm, _ = optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")

@@ -241,7 +241,11 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
         {"name": "dataloader", "argv": [*base, *LOSS, "--dataloader-type", "single"]},
         {"name": "token beyond the padded vocabulary",
          "argv": [*base, *LOSS, "--pg-rollouts", str(bad_tokens)]},
+        {"name": "correction without rollout_logprobs",
+         "argv": [*base, *LOSS, "--pg-rollout-correction", "token_truncate"]},
         {"name": "ok", "argv": [*base, *LOSS, "--train-iters", "1"]},
+        {"name": "gspo", "argv": [*base, *LOSS, "--train-iters", "1", "--pg-policy-loss", "gspo",
+                                  "--pg-loss-aggregation", "seq_mean"]},
         # Megatron-LM's model flags through its own gpt_builder, experts included: the entry point
         # must apply the MoE aux-loss patch (else check_megatron_config refuses, exit 2) and set
         # the step factor before the first forward (else the patched router raises)
@@ -254,15 +258,19 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
     status, out = _batch(work, "refusals", 1, runs)
     parts = _split_by_run(out)
     assert status == {"bad mode": 2, "constant without divisor": 2, "dataloader": 2,
-                      "token beyond the padded vocabulary": 2, "ok": 0, "moe": 0}, out[-20000:]
+                      "token beyond the padded vocabulary": 2, "correction without rollout_logprobs": 2,
+                      "ok": 0, "gspo": 0, "moe": 0}, out[-20000:]
     assert "--pg-loss-aggregation" in parts["bad mode"] and "token-median" in parts["bad mode"]
     assert "--pg-loss-aggregation-divisor" in parts["constant without divisor"]
     assert "--dataloader-type single" in parts["dataloader"] and "external" in parts["dataloader"]
     vocab = parts["token beyond the padded vocabulary"]
     assert "rollout step 2" in vocab and "response_ids[1]=130" in vocab and "[0, 128)" in vocab, vocab[-5000:]
-    for name in ("bad mode", "constant without divisor", "dataloader", "token beyond the padded vocabulary"):
+    assert "rollout_logprobs is missing" in parts["correction without rollout_logprobs"]
+    for name in ("bad mode", "constant without divisor", "dataloader", "token beyond the padded vocabulary",
+                 "correction without rollout_logprobs"):
         assert "[pg] iteration" not in parts[name] and "iteration        1/" not in parts[name], name
     assert "[pg] iteration 1/1" in parts["ok"]  # the same flags train once the problem is gone
+    assert "[pg] iteration 1/1" in parts["gspo"] and "mode=seq_mean" in parts["gspo"]
     assert "[pg] iteration 1/1" in parts["moe"] and "load_balancing_loss" in parts["moe"], parts["moe"][-5000:]
 
 

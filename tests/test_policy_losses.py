@@ -322,3 +322,38 @@ def test_a_correction_without_rollout_logprobs_is_refused_by_the_planner():
     rollouts[3].rollout_logprobs = None
     with pytest.raises(ValueError, match="rollout_logprobs is missing"):
         plan_step(rollouts, PGLossConfig(rollout_correction="token_truncate"), PlanConfig())
+
+
+def test_gspo_start_up_notes():
+    """Warned once at start-up: gspo outside seq_mean (length-weighted), and advantages that vary
+    within a sequence; nothing for ppo or for gspo under seq_mean on sequence-level advantages."""
+    from megatron_pg_agg.planner import policy_loss_notes
+    from megatron_pg_agg.rollouts import RolloutBatch
+
+    _, _, rollouts = _rollouts(4)
+    constant = [Rollout(**{**r.__dict__, "advantages": [r.advantages[0]] * len(r.advantages)}) for r in rollouts]
+    steps = {0: RolloutBatch.from_rollouts(constant)}
+    assert policy_loss_notes(steps, PGLossConfig(policy_loss="ppo", mode="token_mean")) == []
+    assert policy_loss_notes(steps, PGLossConfig(policy_loss="gspo", mode="seq_mean")) == []
+    (note,) = policy_loss_notes(steps, PGLossConfig(policy_loss="gspo", mode="prompt_mean"))
+    assert "prompt_mean" in note and "seq_mean" in note
+    varying = {0: RolloutBatch.from_rollouts(rollouts)}  # odd groups: per-token advantages
+    expected = sum(1 for r in rollouts if len({a for a, m in zip(r.advantages, r.loss_mask) if m}) > 1)
+    (note,) = policy_loss_notes(varying, PGLossConfig(policy_loss="gspo", mode="seq_mean"))
+    assert f"vary within {expected} of {len(rollouts)} sequences" in note and expected > 0
+
+
+def test_the_trainer_refuses_a_correction_without_rollout_logprobs(tmp_path):
+    """The built-in rollouts carry no rollout_logprobs: exit 2 at start-up naming the field."""
+    import sys
+
+    from launching import ROOT, child_env, run
+
+    rc, out, _ = run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--pg-rollout-correction",
+                      "token_truncate", "--metrics-file", tmp_path / "m.jsonl"], 120, "refused correction",
+                     env=child_env())
+    assert rc == 2 and "rollout_logprobs is missing" in out and "--pg-rollout-correction" in out, out[-3000:]
+    rc, out, _ = run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--pg-rollout-correction",
+                      "token_mask", "--pg-rollout-correction-max", "0.5", "--pg-rollout-correction-min", "0.8"],
+                     120, "refused bounds", env=child_env())
+    assert rc == 2 and "C > c" in out, out[-3000:]
