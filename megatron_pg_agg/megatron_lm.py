@@ -459,9 +459,10 @@ def run(argv: list) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    from .worker_process import die_with_launcher
+    from .worker_process import die_with_launcher, quiet_cpu_fallbacks
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_cpu_fallbacks(PG_PREFIX)
     die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
     _single_process_defaults()
     try:

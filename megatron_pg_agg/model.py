@@ -71,6 +71,9 @@ _TINY_DEFAULTS = dict(
     # the sync after it is a torch.cuda.synchronize
     batch_p2p_comm=False,
     batch_p2p_sync=False,
+    # the same as megatron-core's default "full", without the deprecation warning that default
+    # itself raises in 0.16 (no CUDA graphs are captured either way)
+    cuda_graph_scope=[],
 )
 
 

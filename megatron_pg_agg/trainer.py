@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .args import add_pg_agg_args, config_from_args
-from .worker_process import die_with_launcher, keep_freed_memory
+from .worker_process import die_with_launcher, keep_freed_memory, quiet_cpu_fallbacks
 
 SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
 
@@ -627,6 +627,7 @@ def train(args) -> dict:
 
 def main(argv=None) -> int:
     keep_freed_memory()
+    quiet_cpu_fallbacks("[train]")
     args = build_parser().parse_args(argv)
     try:
         train(args)

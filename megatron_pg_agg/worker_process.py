@@ -38,3 +38,29 @@ def keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 1 << 30)
     libc.mallopt(m_trim_threshold, 1 << 34)
+
+
+CPU_FALLBACK_WARNINGS = (
+    # megatron-core, at import, when neither Transformer Engine nor NVIDIA apex is installed
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+)
+"""Messages (regex, UserWarning) of megatron-core's expected fallbacks on a machine without
+Transformer Engine and apex: each module warns once per process (~30 lines for 2 ranks)."""
+
+
+def quiet_cpu_fallbacks(prefix: str) -> None:
+    """Silence exactly megatron-core's known fallback warnings (by message and category; every
+    other warning still shows) and say in one line, on rank 0, which fallbacks are in use. Call
+    before importing megatron.core. Nothing is silenced where Transformer Engine is installed."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    for message in CPU_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prefix} no Transformer Engine or apex: megatron-core falls back to torch norms, torch "
+              "optimizers and local multi-tensor kernels (its warnings about them are silenced)",
+              file=sys.stderr, flush=True)
