@@ -3,14 +3,19 @@
 The top-level ``patches/`` folder (runtime patches of megatron-core, one module each) is shipped
 as the subpackage ``megatron_pg_agg.patches``.
 """
+import re
+from pathlib import Path
+
 from setuptools import setup
 
 # torch is pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU machine. Users on
 # GPU nodes install their own torch first; the pin is for the CPU default and CI.
 TORCH = "torch==2.13.0"
-# Tested range: the loss contract (3-tuple, calculate_per_token_loss, finalize_model_grads
-# num_tokens) is read from 0.16.x; patches re-check the version before touching anything.
-MEGATRON_CORE = "megatron-core>=0.16.0,<0.17"
+# The tested megatron-core range is written once, in megatron_pg_agg/versions.py (read here as
+# text: the package cannot be imported before its dependencies are installed).
+MEGATRON_CORE = "megatron-core" + re.search(
+    r'SUPPORTED_MEGATRON_CORE = "([^"]+)"',
+    (Path(__file__).parent / "megatron_pg_agg" / "versions.py").read_text()).group(1)
 MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic", "psutil"]
 
 setup(

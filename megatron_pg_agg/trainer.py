@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .args import add_pg_agg_args, config_from_args
+from .versions import SUPPORTED_MEGATRON_CORE
 from .worker_process import die_with_launcher, keep_freed_memory, quiet_cpu_fallbacks
 
-SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
 
 
 class StartupError(ValueError):

@@ -89,10 +89,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy
+from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, Target
 
 NAME = "cpu_gloo"
-SUPPORTED = ">=0.16.0,<0.17"
+SUPPORTED = SUPPORTED_MEGATRON_CORE
 
 TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor (attention baddbmm buffer)

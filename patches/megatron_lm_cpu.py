@@ -42,11 +42,12 @@ import types
 import torch
 
 from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy
+from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, StandIn, Target
 from ._megatron_lm_release import check_checkout
 
 NAME = "megatron_lm_cpu"
-SUPPORTED = ">=0.16.0,<0.17"
+SUPPORTED = SUPPORTED_MEGATRON_CORE
 
 TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.training.initialize",  # device_count gates mpu init and RNG seeding; set_device

@@ -20,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, Target
 from ._megatron_lm_release import check_checkout
 
 NAME = "megatron_lm_log"
-SUPPORTED = ">=0.16.0,<0.17"
+SUPPORTED = SUPPORTED_MEGATRON_CORE
 
 
 @dataclass(frozen=True)

@@ -62,10 +62,11 @@ from typing import Optional
 
 import torch
 
+from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, Target, is_applied
 
 NAME = "moe_aux_loss"
-SUPPORTED = ">=0.16.0,<0.17"
+SUPPORTED = SUPPORTED_MEGATRON_CORE
 
 _ROUTER = "megatron.core.transformer.moe.router"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
