@@ -46,6 +46,7 @@ import torch
 
 from ._inputs import GroupSizes, Layout, build_layout, check_loss, should_validate, _as_bool_mask
 from .modes import CONSTANT, PROMPT_MEAN, SEQ_MEAN, TOKEN_MEAN, resolve_mode
+from .segments import exclusive_cumsum, segment_ids
 
 __all__ = ["TokenWeights", "aggregate", "token_weights", "weighted_sum"]
 
@@ -90,13 +91,6 @@ class TokenWeights:
         )
 
 
-def exclusive_cumsum(values: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``[K+1]`` running sums starting at 0 (segment lengths -> offsets), on ``values``' device."""
-    out = torch.zeros(values.numel() + 1, dtype=dtype, device=values.device)
-    torch.cumsum(values, 0, dtype=dtype, out=out[1:])
-    return out
-
-
 def _prefix_counts(d: torch.Tensor) -> torch.Tensor:
     """int32 ``[T+1]`` exclusive prefix sums of the denominator mask (exact; int32 because an
     int64 cumsum is several times slower on CPU, and the layout check bounds T below 2**31)."""
@@ -115,19 +109,6 @@ def _inverse(denominators: torch.Tensor) -> torch.Tensor:
         1.0 / denominators.clamp(min=1).to(torch.float32),
         torch.zeros((), dtype=torch.float32, device=denominators.device),
     )
-
-
-def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """int64 ``[total]``: for each position, the index of the segment ``[offsets[k], offsets[k+1])``
-    holding it (``offsets`` starts at 0 and ends at ``total``; empty segments allowed).
-
-    Same result as ``repeat_interleave(arange(K), diff(offsets), output_size=total)``, but a
-    scatter of segment starts and an int32 running sum is several times faster on CPU, and, like
-    it, needs no device data on the host (the shape is ``total``)."""
-    marks = torch.zeros(total + 1, dtype=torch.int32, device=offsets.device)
-    starts = offsets[1:-1]
-    marks.index_put_((starts,), torch.ones_like(starts, dtype=torch.int32), accumulate=True)
-    return torch.cumsum(marks[:total], 0, dtype=torch.int32).long()
 
 
 def _unit_coef_and_first(d: torch.Tensor, prefix: torch.Tensor, unit_cu: torch.Tensor):

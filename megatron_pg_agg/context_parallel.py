@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .aggregation import exclusive_cumsum, segment_ids
+from .segments import exclusive_cumsum, segment_ids
 
 
 def cp_partition_index(padded_lengths: Sequence[int] | torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ import torch
 
 from .aggregation import TokenWeights, weighted_sum
 from .modes import TOKEN_MEAN, resolve_mode
+from .segments import segment_of
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -241,7 +242,7 @@ class SequenceStatistic:
 
     def __init__(self, cu_seqlens: torch.Tensor, num_tokens: torch.Tensor, total: int, cp_group=None):
         positions = torch.arange(total, device=cu_seqlens.device)
-        self.segment = torch.searchsorted(cu_seqlens[1:].to(torch.long).contiguous(), positions, right=True)
+        self.segment = segment_of(cu_seqlens, positions)
         self.segment = self.segment.clamp_(max=num_tokens.numel() - 1)  # padding past the last boundary
         self.num_tokens = num_tokens.to(torch.float32)
         self.cp_group = cp_group

@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from .aggregation import TokenWeights, exclusive_cumsum, segment_ids, token_weights
+from .aggregation import TokenWeights, token_weights
+from .segments import exclusive_cumsum, running_sums, segment_ids, segment_of
 from .context_parallel import cp_partition_index
 from .losses import StepTotals
 from .modes import resolve_mode
@@ -241,7 +242,7 @@ def plan_step(
     cp = plan_cfg.cp_size
     if cp > 1:
         kept = cp_partition_index(seq_padded, cp, cp_rank)
-        seq = torch.searchsorted(seq_offsets[1:], kept, right=True)
+        seq = segment_of(seq_offsets, kept)
     else:
         kept = torch.arange(total)
         seq = segment_ids(seq_offsets, total)
@@ -313,7 +314,7 @@ def plan_step(
     seq_num_all = numerator_per_rollout[rollout_of].tolist()
     originals_all = rollout_of.tolist()
     bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
-                 for first, members in zip(_running([0] + [len(m) for m in bins])[:-1], bins)]
+                 for first, members in zip(running_sums([0] + [len(m) for m in bins])[:-1], bins)]
     if plan_cfg.capacity is not None and max(bin_sizes) > plan_cfg.capacity:
         b = max(range(len(bins)), key=lambda k: bin_sizes[k])
         raise PlanError(
@@ -360,11 +361,11 @@ def plan_step(
             old_logprobs=cut["old_logprobs"],
             ref_logprobs=cut["ref_logprobs"],
             weights=w,
-            cu_seqlens=torch.tensor([0, *_running(seq_real_all[here])], dtype=torch.int32),
-            cu_seqlens_padded=torch.tensor([0, *_running(seq_pad)], dtype=torch.int32),
+            cu_seqlens=torch.tensor([0, *running_sums(seq_real_all[here])], dtype=torch.int32),
+            cu_seqlens_padded=torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32),
             max_seqlen=max(seq_pad),
             sequence_ids=originals_all[here],
-            cu_seqlens_local=torch.tensor([0, *_running(seq_pad)], dtype=torch.int32) // cp,
+            cu_seqlens_local=torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32) // cp,
             seq_numerator_tokens=torch.tensor(seq_num_all[here], dtype=torch.float32),
             pg_weights=cut.get("pg_weights"),
             correction_report=report,
@@ -480,14 +481,6 @@ def _correction_report(cut: dict) -> dict:
         "correction_weight": torch.tensor([float(torch.where(num, cut["pg_weights"], 0.0).sum()),
                                            float(num.sum())]),
     }
-
-
-def _running(values: list) -> list:
-    out, acc = [], 0
-    for v in values:
-        acc += v
-        out.append(acc)
-    return out
 
 
 def _choose_microbatches(padded: list, cfg: PlanConfig) -> int:

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .aggregation import exclusive_cumsum
+from .segments import exclusive_cumsum, segment_of
 
 
 LOGPROB_TOLERANCE = 1e-4
@@ -181,7 +181,7 @@ class RolloutBatch:
         starts = exclusive_cumsum(self.response_lengths)
 
         def owner(flat_index: int) -> tuple[int, int]:
-            i = int(torch.searchsorted(starts[1:], torch.tensor(flat_index), right=True))
+            i = int(segment_of(starts, torch.tensor(flat_index)))
             return i, flat_index - int(starts[i])
 
         if vocab_size is not None:
@@ -191,7 +191,7 @@ class RolloutBatch:
                 if bool(bad.any()):
                     k = int(bad.int().argmax())
                     ps = exclusive_cumsum(lengths)
-                    i = int(torch.searchsorted(ps[1:], torch.tensor(k), right=True))
+                    i = int(segment_of(ps, torch.tensor(k)))
                     raise PlanError(f"rollout {i}: {name}[{k - int(ps[i])}]={int(tokens[k])} is outside the "
                                     f"vocabulary [0, {vocab_size})")
         valid = self.loss_mask

@@ -38,6 +38,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from .segments import segment_of
+
 __all__ = ["ThdDotProductAttention", "packed_attention_mask", "use_thd_core_attention"]
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -52,7 +54,7 @@ def packed_attention_mask(cu_seqlens: Tensor, total: int, *, causal: bool = True
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(cu_seqlens.shape)}")
     pos = torch.arange(total, device=cu_seqlens.device)
-    block = torch.searchsorted(cu_seqlens[1:].to(torch.long).contiguous(), pos, right=True)
+    block = segment_of(cu_seqlens, pos)
     masked = block[:, None] != block[None, :]
     if causal:
         masked = masked | (pos[None, :] > pos[:, None])
