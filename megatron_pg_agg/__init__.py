@@ -3,7 +3,7 @@
 The aggregation contract (formulas for every mode) is in :mod:`megatron_pg_agg.aggregation`.
 """
 from .aggregation import TokenWeights, aggregate, token_weights, weighted_sum
-from .modes import ALIASES, MODES, resolve_mode
+from .modes import ALIASES, MODES, REFUSED_ALIASES, resolve_mode
 from .args import add_pg_agg_args, config_from_args
 from .losses import PGLossConfig
 
@@ -13,6 +13,7 @@ __all__ = [
     "ALIASES",
     "MODES",
     "PGLossConfig",
+    "REFUSED_ALIASES",
     "add_pg_agg_args",
     "config_from_args",
     "TokenWeights",

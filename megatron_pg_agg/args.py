@@ -17,7 +17,7 @@ import argparse
 import functools
 
 from .losses import KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, PGLossConfig
-from .modes import mode_choices, resolve_mode
+from .modes import ALIASES, REFUSED_ALIASES, mode_choices, resolve_mode
 
 #: (flag, argparse kwargs). Defaults match PGLossConfig's.
 PG_FLAGS = (
@@ -25,7 +25,8 @@ PG_FLAGS = (
         default="token_mean", choices=mode_choices(), metavar="MODE",
         help="unit of averaging of the policy-gradient loss: token_mean (default), seq_mean, "
              "prompt_mean, constant (needs --pg-loss-aggregation-divisor); peers' names "
-             "(verl, TRL) are accepted: " + ", ".join(mode_choices()[4:]))),
+             "(verl, TRL) are accepted: " + ", ".join(ALIASES) + "; refused with the reason: "
+             + ", ".join(REFUSED_ALIASES))),
     ("--pg-loss-aggregation-divisor", dict(
         type=float, default=None, metavar="L",
         help="L of the constant mode (e.g. the maximum response length): "
