@@ -186,8 +186,8 @@ def _make_interleaved_guard(original):
             raise RuntimeError(
                 "cpu_gloo: the interleaved pipeline schedule with variable_seq_lengths=True "
                 "deadlocks on gloo (a blocking shape send whose receive the peer posts only in a "
-                "later p2p call). Pad every micro-batch to one length (e.g. megatron_pg_agg."
-                "packing.pack_sequences(..., pad_to_length=L)) and set "
+                "later p2p call). Pad every micro-batch to one length (the planner's "
+                "PlanConfig(uniform_microbatch_tokens=True) or microbatch_tokens=L) and set "
                 "variable_seq_lengths=False."
             )
         return original(*args, **kwargs)

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_pg_agg.model import build_tiny_gpt, gpt_layer_spec, tiny_transformer_config
-from megatron_pg_agg.packing import next_token_targets, pack_sequences
+from dist.thd_packing import next_token_targets, pack_sequences
 from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel
 from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patches
 from megatron_pg_agg.thd_attention import ThdDotProductAttention, packed_attention_mask

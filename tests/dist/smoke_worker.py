@@ -24,7 +24,7 @@ from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from megatron_pg_agg.model import build_model_chunks, tiny_transformer_config, wrap_in_ddp  # noqa: E402
-from megatron_pg_agg.packing import next_token_targets, pack_sequences  # noqa: E402
+from thd_packing import next_token_targets, pack_sequences  # noqa: E402  (test tooling beside it)
 from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 
 VOCAB = 64

@@ -1,4 +1,6 @@
-"""Pack variable-length token sequences into one THD micro-batch (Megatron-LM's RL layout).
+"""Test tooling: pack variable-length token sequences into one THD micro-batch (Megatron-LM's RL
+layout). Training packs with the planner (megatron_pg_agg.planner); this simple packer builds the
+THD inputs of the attention and smoke tests.
 
 WHY
     Megatron-LM packs rollouts back to back with micro-batch size 1 and passes the boundaries as
