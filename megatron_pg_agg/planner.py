@@ -4,17 +4,23 @@ Runs on the host, identically on every rank (deterministic: no randomness, ties 
 so every rank knows every rank's microbatches and the step's global totals without a collective.
 Order of work, and why:
 
-1. check the rollouts (host data: checks are free here, so the per-microbatch path can trust it);
+Each phase is a function below; ``plan_step`` reads as their list.
+
+1. check the rollouts (host data: checks are free here, so the per-microbatch path can trust it)
+   and apply the rollout-engine correction to the numerator (``checked_batch``);
 2. put sequences in canonical order (groups consecutive, in order of first appearance) and pad
-   each to what TP sequence parallelism and context parallelism need;
+   each to what TP sequence parallelism and context parallelism need (``canonical_order``);
 3. compute ``token_weights`` ONCE for the whole step (on the response tokens, canonical order),
    before any split: groups and sequences may then land in different microbatches, DP ranks or
-   CP shards and the objective stays exact;
+   CP shards and the objective stays exact (``step_weights``);
 4. assign whole sequences (attention needs them whole) to DP x microbatch bins, token-balanced
-   (longest-first onto the lightest bin);
+   (longest-first onto the lightest bin) (``pack_bins``);
 5. build the packed THD layout directly in bin order (each bin a contiguous slice, with
    cu_seqlens and cu_seqlens_padded) and, with CP, only this CP rank's positions (Megatron's
-   layout, :mod:`megatron_pg_agg.context_parallel`). Every per-token field is one gather.
+   layout, :mod:`megatron_pg_agg.context_parallel`). Every per-token field is one gather
+   (``token_layout``);
+6. cut the layout into microbatches, check their capacity, pad them where asked
+   (``assemble_microbatches``).
 
 Token positions: a sequence is ``prompt + response``; position t predicts token t+1, so response
 token j (sequence index P + j) is scored at position P + j - 1, where its mask, advantage and
@@ -30,11 +36,11 @@ from typing import Optional
 import torch
 
 from .aggregation import TokenWeights, token_weights
-from .segments import exclusive_cumsum, running_sums, segment_ids, segment_of
 from .context_parallel import cp_partition_index
 from .losses import StepTotals
 from .modes import resolve_mode
 from .rollouts import PlanError, Rollout, RolloutBatch, check_rollout  # noqa: F401  (re-exported)
+from .segments import exclusive_cumsum, running_sums, segment_ids, segment_of
 
 
 @dataclass
@@ -181,13 +187,27 @@ def plan_step(
     *,
     cp_rank: int = 0,
 ) -> StepPlan:
-    """Plan one optimizer step (see the module docstring).
+    """Plan one optimizer step: the phases of the module docstring, in order.
 
     ``rollouts`` is a list of :class:`Rollout` or a :class:`RolloutBatch` (the fast path for big
     steps); ``loss_cfg`` a :class:`~megatron_pg_agg.losses.PGLossConfig` (mode, divisor, whether
-    reference log-probs are needed). Microbatch ``m`` of DP rank ``r`` is bin ``m * dp + r``.
+    reference log-probs are needed, policy loss and rollout correction). Microbatch ``m`` of DP
+    rank ``r`` is bin ``m * dp + r``.
     """
-    mode, divisor = resolve_mode(loss_cfg.mode, loss_cfg.divisor)
+    batch, correction = checked_batch(rollouts, loss_cfg, plan_cfg)
+    order = canonical_order(batch, plan_cfg)
+    weights = step_weights(batch, order, loss_cfg)
+    bins = pack_bins(order, plan_cfg)
+    layout = token_layout(batch, order, weights, bins, correction, plan_cfg, cp_rank)
+    return assemble_microbatches(batch, order, weights, bins, layout, plan_cfg)
+
+
+# ----------------------------------------------------------------------------- the phases
+
+
+def checked_batch(rollouts, loss_cfg, plan_cfg: PlanConfig):
+    """1. The step as a checked :class:`RolloutBatch` (host data: checks are free here), with the
+    rollout correction applied to its numerator; returns ``(batch, correction or None)``."""
     if isinstance(rollouts, RolloutBatch):
         batch = rollouts
         batch.validate(vocab_size=plan_cfg.vocab_size)
@@ -199,44 +219,115 @@ def plan_step(
     correction = rollout_correction(batch, loss_cfg)
     if correction is not None:  # masked tokens leave the numerator (they keep the denominator)
         batch = replace(batch, numerator_mask=correction.numerator_mask)
-    num_seqs = len(batch)
+    return batch, correction
 
-    # 2. canonical order (groups consecutive) and padding
+
+@dataclass(frozen=True)
+class CanonicalOrder:
+    """Phase 2's result: rollouts in canonical order (groups consecutive) and their lengths."""
+
+    order: torch.Tensor
+    """int64 ``[N]``: rollout index at each canonical position."""
+    group_sizes: list
+    """Sizes of the prompt groups, in canonical order."""
+    padded: torch.Tensor
+    """int64 ``[N]``: padded length of each rollout (original order)."""
+    length: torch.Tensor
+    """int64 ``[N]``: prompt + response length of each rollout (original order)."""
+    p_start: torch.Tensor
+    """int64 ``[N+1]``: offsets of the prompts in ``batch.prompt_tokens``."""
+    r_start: torch.Tensor
+    """int64 ``[N+1]``: offsets of the responses in the response-token arrays."""
+
+
+def canonical_order(batch: RolloutBatch, plan_cfg: PlanConfig) -> CanonicalOrder:
+    """2. Groups consecutive (in order of first appearance), every sequence padded to what
+    sequence parallelism and 2 x CP need (a sequence too long for a microbatch is refused)."""
     order, group_sizes = _canonical_order(batch.group_index)
-    prompt_len, resp_len = batch.prompt_lengths, batch.response_lengths  # original order
-    length = prompt_len + resp_len
-    padded = padded_lengths(batch, plan_cfg)
-    p_start, r_start = exclusive_cumsum(prompt_len), exclusive_cumsum(resp_len)
+    return CanonicalOrder(order=order, group_sizes=group_sizes, padded=padded_lengths(batch, plan_cfg),
+                          length=batch.prompt_lengths + batch.response_lengths,
+                          p_start=exclusive_cumsum(batch.prompt_lengths),
+                          r_start=exclusive_cumsum(batch.response_lengths))
 
-    # 3. token weights ONCE for the whole step, before any split. They depend only on the masks of
-    # the response tokens, so they are computed on those alone (canonical order), not on the
-    # padded layout; every microbatch, rank and CP shard then gathers its tokens' weights.
-    resp_canonical = resp_len[order]
-    rc_start = exclusive_cumsum(resp_canonical)
+
+@dataclass(frozen=True)
+class StepWeights:
+    """Phase 3's result: the step's token weights on the response tokens (canonical order)."""
+
+    weights: TokenWeights
+    totals: "StepTotals"
+    rc_of_rollout: torch.Tensor
+    """int64 ``[N]``: canonical response offset of each rollout (original order)."""
+    r_total: int
+    """Response tokens of the step."""
+
+
+def step_weights(batch: RolloutBatch, order: CanonicalOrder, loss_cfg) -> StepWeights:
+    """3. ``token_weights`` ONCE for the whole step, before any split. They depend only on the
+    masks of the response tokens, so they are computed on those alone (canonical order), not on
+    the padded layout; every microbatch, rank and CP shard then gathers its tokens' weights."""
+    mode, divisor = resolve_mode(loss_cfg.mode, loss_cfg.divisor)
+    rc_start = exclusive_cumsum(batch.response_lengths[order.order])
     r_total = int(rc_start[-1])
-    canon = (r_start[order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
+    canon = (order.r_start[order.order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
     den_c = batch.loss_mask[canon]
     num_c = den_c if batch.numerator_mask is None else batch.numerator_mask[canon]
-    weights = token_weights(num_c, mode=mode, divisor=divisor, cu_seqlens=rc_start, group_sizes=group_sizes,
-                            denominator_mask=den_c, validate=False)
+    weights = token_weights(num_c, mode=mode, divisor=divisor, cu_seqlens=rc_start,
+                            group_sizes=order.group_sizes, denominator_mask=den_c, validate=False)
     totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den_c.sum()))
     rc_of_rollout = torch.empty_like(rc_start[:-1])
-    rc_of_rollout[order] = rc_start[:-1]  # canonical response offset of each rollout
+    rc_of_rollout[order.order] = rc_start[:-1]
+    return StepWeights(weights, totals, rc_of_rollout, r_total)
 
-    # 4. whole sequences onto token-balanced bins; bin b -> DP rank b % dp, microbatch b // dp
+
+@dataclass(frozen=True)
+class Bins:
+    """Phase 4's result: the DP x microbatch bins (canonical sequence indices in each)."""
+
+    members: list
+    """``[bin] -> [canonical sequence index]``; bin ``b`` is DP rank ``b % dp``, microbatch ``b // dp``."""
+    num_microbatches: int
+    rollout_of: torch.Tensor
+    """int64: the rollout index of each sequence in bin order (bins contiguous)."""
+
+
+def pack_bins(order: CanonicalOrder, plan_cfg: PlanConfig) -> Bins:
+    """4. Whole sequences (attention needs them whole) onto token-balanced bins: longest first
+    onto the lightest bin, ties by index (deterministic)."""
     dp = plan_cfg.dp_size
-    padded_canonical = padded[order].tolist()
+    padded_canonical = order.padded[order.order].tolist()
     num_mb = _choose_microbatches(padded_canonical, plan_cfg)
     bins = _lpt_bins(padded_canonical, dp * num_mb)
     empty = sum(1 for members in bins if not members)
     if empty:
         raise PlanError(
-            f"{num_seqs} sequences cannot fill {dp} DP ranks x {num_mb} microbatches: {empty} "
-            "microbatches would be empty; use fewer microbatches or a larger step")
+            f"{len(padded_canonical)} sequences cannot fill {dp} DP ranks x {num_mb} microbatches: "
+            f"{empty} microbatches would be empty; use fewer microbatches or a larger step")
+    rollout_of = order.order[torch.tensor([s for members in bins for s in members], dtype=torch.long)]
+    return Bins(bins, num_mb, rollout_of)
 
-    # 5. build the packed layout directly in bin order (bins contiguous): one pass per field
-    rollout_of = order[torch.tensor([s for members in bins for s in members], dtype=torch.long)]
-    seq_padded = padded[rollout_of]
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Phase 5's result: every per-token field of this CP rank, bins contiguous, bin order."""
+
+    fields: dict
+    """Name -> per-token tensor (or None): tokens, labels, position_ids, masks, advantages,
+    log-probs, and with a correction its weights and masked/truncated flags."""
+    weights: TokenWeights
+    seq_padded: torch.Tensor
+    """int64: padded length of each sequence in bin order."""
+    total: int
+    """Padded tokens of the step (before the CP split)."""
+
+
+def token_layout(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, bins: Bins, correction,
+                 plan_cfg: PlanConfig, cp_rank: int) -> TokenLayout:
+    """5. The packed THD layout directly in bin order and, with CP, only this CP rank's positions
+    (Megatron's layout, :mod:`megatron_pg_agg.context_parallel`). Every per-token field is one
+    gather (see the comments: planning is memory-bound, so passes count)."""
+    rollout_of, r_total = bins.rollout_of, step.r_total
+    seq_padded = order.padded[rollout_of]
     seq_offsets = exclusive_cumsum(seq_padded)
     total = int(seq_offsets[-1])
     cp = plan_cfg.cp_size
@@ -247,18 +338,19 @@ def plan_step(
         kept = torch.arange(total)
         seq = segment_ids(seq_offsets, total)
     # Per-sequence bases, so that each per-token index is one gather of a base plus ``kept``
-    # (absolute positions in the packed layout); planning is memory-bound, so passes count.
-    # Every per-token field is then ONE gather from a source array with a zero "sentinel"
-    # appended: positions that read nothing (padding, prompt, masked) index the sentinel, so no
-    # clamp and no per-field where is needed. (torch.where, not masked_fill_: faster on CPU.)
+    # (absolute positions in the packed layout). Every per-token field is then ONE gather from a
+    # source array with a zero "sentinel" appended: positions that read nothing (padding, prompt,
+    # masked) index the sentinel, so no clamp and no per-field where is needed. (torch.where,
+    # not masked_fill_: faster on CPU.)
     seq_start = seq_offsets[:-1]
-    prompt_end = seq_start + prompt_len[rollout_of]
-    seq_end = seq_start + length[rollout_of]
+    prompt_end = seq_start + batch.prompt_lengths[rollout_of]
+    seq_end = seq_start + order.length[rollout_of]
     p_total = batch.prompt_tokens.numel()
-    token_base = torch.stack([p_start[rollout_of] - seq_start,            # prompt: prompt_tokens
-                              p_total + r_start[rollout_of] - prompt_end,  # response: after prompts
-                              r_start[rollout_of] - prompt_end + 1,        # scored response token
-                              rc_of_rollout[rollout_of] - prompt_end + 1], 1)  # its weights
+    r_start = order.r_start
+    token_base = torch.stack([order.p_start[rollout_of] - seq_start,        # prompt: prompt_tokens
+                              p_total + r_start[rollout_of] - prompt_end,   # response: after prompts
+                              r_start[rollout_of] - prompt_end + 1,         # scored response token
+                              step.rc_of_rollout[rollout_of] - prompt_end + 1], 1)  # its weights
     all_tokens = torch.cat([batch.prompt_tokens, batch.response_tokens, torch.zeros(1, dtype=torch.long)])
     pos = kept - seq_start[seq]
     in_prompt = kept < prompt_end[seq]
@@ -290,8 +382,8 @@ def plan_step(
     num = den if batch.numerator_mask is None else with_sentinel(batch.numerator_mask)[scored_index]
     valid_index = torch.where(den, scored_index, r_total)  # masked positions read 0 (never NaN)
     c_index = torch.where(den, bases[:, 3] + kept, r_total)
-    coef = with_sentinel(weights.coef)[c_index]
-    layout = {
+    coef = with_sentinel(step.weights.coef)[c_index]
+    fields = {
         "tokens": tokens, "labels": labels, "position_ids": pos,
         "numerator_mask": num, "denominator_mask": den,
         "advantages": with_sentinel(batch.advantages)[valid_index],
@@ -299,26 +391,34 @@ def plan_step(
         "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
     }
     if correction is not None:
-        layout["pg_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
-        layout["corr_masked"] = with_sentinel(correction.masked)[scored_index]
-        layout["corr_truncated"] = with_sentinel(correction.truncated)[scored_index]
-    layout_weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
-                                  with_sentinel(weights.count)[c_index], weights.mode)
+        fields["pg_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
+        fields["corr_masked"] = with_sentinel(correction.masked)[scored_index]
+        fields["corr_truncated"] = with_sentinel(correction.truncated)[scored_index]
+    weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
+                           with_sentinel(step.weights.count)[c_index], step.weights.mode)
+    return TokenLayout(fields, weights, seq_padded, total)
 
-    # host lists once; each bin is a run of them and a slice of every per-token tensor
-    seq_pad_all = seq_padded.tolist()
-    seq_real_all = length[rollout_of].tolist()
-    numerator_per_rollout = torch.zeros(num_seqs, dtype=torch.float32).index_add_(
-        0, segment_ids(r_start, r_total),
+
+def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, bins: Bins,
+                          layout: TokenLayout, plan_cfg: PlanConfig) -> StepPlan:
+    """6. Each bin a slice of every per-token tensor and a run of the host lists (computed once),
+    checked against the microbatch capacity and, where asked, padded to one length."""
+    dp, cp, num_mb = plan_cfg.dp_size, plan_cfg.cp_size, bins.num_microbatches
+    rollout_of = bins.rollout_of
+    seq_pad_all = layout.seq_padded.tolist()
+    seq_real_all = order.length[rollout_of].tolist()
+    numerator_per_rollout = torch.zeros(len(batch), dtype=torch.float32).index_add_(
+        0, segment_ids(order.r_start, step.r_total),
         (batch.loss_mask if batch.numerator_mask is None else batch.numerator_mask).float())
     seq_num_all = numerator_per_rollout[rollout_of].tolist()
     originals_all = rollout_of.tolist()
+    members_of = bins.members
     bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
-                 for first, members in zip(running_sums([0] + [len(m) for m in bins])[:-1], bins)]
+                 for first, members in zip(running_sums([0] + [len(m) for m in members_of])[:-1], members_of)]
     if plan_cfg.capacity is not None and max(bin_sizes) > plan_cfg.capacity:
-        b = max(range(len(bins)), key=lambda k: bin_sizes[k])
+        b = max(range(len(members_of)), key=lambda k: bin_sizes[k])
         raise PlanError(
-            f"{num_seqs} sequences ({total} padded tokens) do not fit {dp} DP ranks x {num_mb} "
+            f"{len(batch)} sequences ({layout.total} padded tokens) do not fit {dp} DP ranks x {num_mb} "
             f"microbatches of {plan_cfg.capacity} tokens: microbatch {b // dp} of DP rank {b % dp} "
             f"would hold {bin_sizes[b]}; use more microbatches (a larger global batch) or a larger "
             "capacity (--seq-length)")
@@ -326,10 +426,11 @@ def plan_step(
         uniform = plan_cfg.microbatch_tokens
     else:
         uniform = max(bin_sizes) if plan_cfg.uniform_microbatch_tokens else None
+    correction = "pg_weights" in layout.fields
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
     start, first = 0, 0
-    for b, members in enumerate(bins):
+    for b, members in enumerate(members_of):
         rank, mb = b % dp, b // dp
         here = slice(first, first + len(members))
         first += len(members)
@@ -342,11 +443,11 @@ def plan_step(
         if extra and cp > 1:
             raise PlanError("padding microbatches to one length with cp_size > 1 is not supported: the extra "
                             "padding would not follow the CP chunk layout")
-        cut = {k: (None if v is None else v[part]) for k, v in layout.items()}
-        report = None if correction is None else _correction_report(cut)
+        cut = {k: (None if v is None else v[part]) for k, v in layout.fields.items()}
+        report = _correction_report(cut) if correction else None
         for k in ("corr_masked", "corr_truncated"):
             cut.pop(k, None)
-        w = layout_weights[part]
+        w = layout.weights[part]
         if extra:  # the last sequence's padding grows; the extra positions score nothing
             seq_pad[-1] += extra
             cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
@@ -373,17 +474,17 @@ def plan_step(
     flat = [t for row in bin_tokens for t in row]
     per_rank = [sum(row) for row in bin_tokens]
     stats = {
-        "sequences": num_seqs,
-        "groups": len(group_sizes),
-        "tokens": int(length.sum()),
-        "padded_tokens": total,
+        "sequences": len(batch),
+        "groups": len(order.group_sizes),
+        "tokens": int(order.length.sum()),
+        "padded_tokens": layout.total,
         "microbatches_per_rank": num_mb,
         "microbatch_balance": max(flat) / (sum(flat) / len(flat)),
         "rank_balance": max(per_rank) / (sum(per_rank) / len(per_rank)),
-        "pg_weight": totals.pg_weight,
-        "valid_tokens": totals.valid_tokens,
+        "pg_weight": step.totals.pg_weight,
+        "valid_tokens": step.totals.valid_tokens,
     }
-    return StepPlan(microbatches, totals, group_sizes, bin_tokens, stats)
+    return StepPlan(microbatches, step.totals, order.group_sizes, bin_tokens, stats)
 
 
 def require_inputs(batch: RolloutBatch, loss_cfg) -> None:
