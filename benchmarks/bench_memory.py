@@ -48,7 +48,8 @@ def _inputs(tokens: int, mode: str):
 
 
 def loss_peak(kind: str, mode: str, tokens: int) -> int:
-    from megatron_pg_agg.losses import PGLossConfig, StepTotals, pg_loss_sum, ppo_token_losses
+    from megatron_pg_agg.losses import PGLossConfig, pg_loss_sum, ppo_token_losses
+    from megatron_pg_agg.planner import StepTotals
 
     x = _inputs(tokens, mode)
     cfg = PGLossConfig(mode=mode, divisor=2048.0 if mode == "constant" else None, report_entropy=False)

@@ -13,7 +13,8 @@ The step objective, with the aggregation of :mod:`megatron_pg_agg.aggregation` (
 with ``W_pg = sum_t k_t`` and ``D = sum_t d_t`` (the extra terms are token means over the
 original loss mask). Megatron divides the summed loss by ONE count (W_pg), so each microbatch
 returns ``sum_t c_t pg_t + (W_pg / D) * sum_t (kl_coef kl_t - entropy_coef H_t)`` with count
-``sum_t k_t``: both global totals are known on the host before the step (see ``StepTotals``).
+``sum_t k_t``: both global totals are known on the host before the step (the planner's
+``StepTotals``).
 
 Policy losses (``PGLossConfig.policy_loss``): ``pg_t`` is one of, with ``x_t = logp_t - old_t``,
 ``A_t`` the advantage, ``sg`` stop-gradient, ``S_i = sum_t n_t x_t`` and ``N_i = sum_t n_t``
@@ -36,13 +37,16 @@ removes tokens from the numerator; it never touches the KL and entropy terms.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .aggregation import TokenWeights, weighted_sum
 from .modes import TOKEN_MEAN, resolve_mode
 from .segments import segment_of
+
+if TYPE_CHECKING:  # the planner creates the step totals; the loss only reads them
+    from .planner import StepTotals
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -295,22 +299,6 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str):
     return torch.exp(-log_ratio) + log_ratio - 1.0
 
 
-@dataclass(frozen=True)
-class StepTotals:
-    """Global integers of one optimizer step, known on the host before it (the planner sees the
-    whole step on every rank, so no collective is needed to know them)."""
-
-    pg_weight: int
-    """W_pg = sum of k_t over the step: valid tokens, active sequences or active groups."""
-    valid_tokens: int
-    """D = sum of d_t over the step: the normaliser of the KL and entropy token means."""
-
-    @property
-    def extra_scale(self) -> float:
-        """W_pg / D: turns the extra terms' token mean into Megatron's single-count contract."""
-        return self.pg_weight / self.valid_tokens if self.valid_tokens else 0.0
-
-
 def pg_loss_sum(
     logprobs: torch.Tensor,
     *,
@@ -319,7 +307,7 @@ def pg_loss_sum(
     numerator_mask: torch.Tensor,
     denominator_mask: torch.Tensor,
     weights: TokenWeights,
-    totals: StepTotals,
+    totals: "StepTotals",
     cfg: PGLossConfig,
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,

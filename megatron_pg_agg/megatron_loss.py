@@ -16,8 +16,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from .losses import PGLossConfig, SequenceStatistic, StepTotals, pg_loss_sum, vocab_parallel_logprobs
-from .planner import Microbatch
+from .losses import PGLossConfig, SequenceStatistic, pg_loss_sum, vocab_parallel_logprobs
+from .planner import Microbatch, StepTotals
 
 
 class MegatronConfigError(ValueError):

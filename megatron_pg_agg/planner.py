@@ -37,7 +37,6 @@ import torch
 
 from .aggregation import TokenWeights, token_weights
 from .context_parallel import cp_partition_index
-from .losses import StepTotals
 from .modes import resolve_mode
 from .rollouts import PlanError, Rollout, RolloutBatch, check_rollout  # noqa: F401  (re-exported)
 from .segments import exclusive_cumsum, running_sums, segment_ids, segment_of
@@ -79,6 +78,22 @@ class Microbatch:
                 value = {k: v.to(device, non_blocking=True) for k, v in value.items()}
             moved[f.name] = value
         return Microbatch(**moved)
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Global integers of one optimizer step, known on the host before it (the planner sees the
+    whole step on every rank, so no collective is needed to know them)."""
+
+    pg_weight: int
+    """W_pg = sum of k_t over the step: valid tokens, active sequences or active groups."""
+    valid_tokens: int
+    """D = sum of d_t over the step: the normaliser of the KL and entropy token means."""
+
+    @property
+    def extra_scale(self) -> float:
+        """W_pg / D: turns the extra terms' token mean into Megatron's single-count contract."""
+        return self.pg_weight / self.valid_tokens if self.valid_tokens else 0.0
 
 
 @dataclass
