@@ -308,7 +308,8 @@ def load_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
     latest = os.path.join(directory, "latest")
     if not os.path.exists(latest):
         return {}
-    iteration = int(open(latest).read().strip())
+    with open(latest) as f:
+        iteration = int(f.read().strip())
     path = os.path.join(directory, f"iter_{iteration:07d}", f"rank_{rank:05d}.pt")
     state = torch.load(path, map_location="cpu", weights_only=False)
     for chunk, sd in zip(model, state["model"]):
@@ -583,6 +584,9 @@ def train(args) -> dict:
         else:
             ok, grad_norm, _ = optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            if not ok:  # the optimizer refused the update (a mixed-precision loss scaler found inf)
+                skipped = True
+                state.skipped += 1
         state.iteration += 1
         elapsed = time.perf_counter() - t0
         # only the last pipeline stage fills the report pairs: share them for logging
