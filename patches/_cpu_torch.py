@@ -44,20 +44,28 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
     torch.set_rng_state(new_state)
 
 
-class _RandomOnCpu:
-    """``torch.cuda.random`` as seen by the RNG module: its state is the CPU generator's."""
+class _Proxy:
+    """Delegates every attribute it does not define to the real object it stands in front of."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
-
-    @staticmethod
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return torch.get_rng_state()
 
     def __getattr__(self, name: str) -> Any:
         if name == "_real":  # not constructed yet (copy/pickle): never recurse
             raise AttributeError(name)
         return getattr(self._real, name)
+
+    def __repr__(self) -> str:
+        return f"<cpu_gloo proxy of {self._real!r}>"
+
+
+class _RandomOnCpu(_Proxy):
+    """``torch.cuda.random`` as seen by the RNG module: its state is the CPU generator's."""
+
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
 
 
 _NO_GPU_PROPERTIES = type("CpuDeviceProperties", (), dict(
@@ -75,7 +83,7 @@ class _NoStream:
         return None
 
 
-class _CudaOnCpu:
+class _CudaOnCpu(_Proxy):
     """``torch.cuda`` as seen by one megatron module: the current device is the CPU.
 
     ``rng``: the CUDA RNG calls map onto the CPU generator (on CPU it *is* the device generator).
@@ -86,7 +94,7 @@ class _CudaOnCpu:
     """
 
     def __init__(self, real: Any, rng: bool, training: bool = False) -> None:
-        self._real = real
+        super().__init__(real)
         if rng or training:
             self.get_rng_state = _RandomOnCpu.get_rng_state
             self.set_rng_state = _set_cpu_rng_state
@@ -114,33 +122,21 @@ class _CudaOnCpu:
     def synchronize(device: Any = None) -> None:
         return None
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "_real":  # not constructed yet (copy/pickle): never recurse
-            raise AttributeError(name)
-        return getattr(self._real, name)
-
-    def __repr__(self) -> str:
-        return f"<cpu_gloo proxy of {self._real!r}>"
 
 
-class _TorchOnCpu:
+
+class _TorchOnCpu(_Proxy):
     """``torch`` as seen by one megatron module; everything else delegates to the real torch."""
 
     _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "empty_like")
 
     def __init__(self, real: Any, rng: bool = False, training: bool = False) -> None:
-        self._real = real
+        super().__init__(real)
         self.cuda = _CudaOnCpu(real.cuda, rng, training)
         for name in self._FACTORIES:
             setattr(self, name, _device_to_cpu(getattr(real, name)))
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "_real":  # not constructed yet (copy/pickle): never recurse
-            raise AttributeError(name)
-        return getattr(self._real, name)
 
-    def __repr__(self) -> str:
-        return f"<cpu_gloo proxy of {self._real!r}>"
 
 
 def make_torch_proxy(*, rng: bool = False, training: bool = False):
@@ -159,3 +155,17 @@ class _TensorCudaIsIdentity(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             return args[0]
         return func(*args, **(kwargs or {}))
+
+
+def under_mode(mode: type):
+    """A ``Target.make`` whose replacement runs the original inside ``mode()`` (a torch-function
+    mode), for the duration of that call only."""
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            with mode():
+                return original(*args, **kwargs)
+
+        return wrapper
+
+    return make

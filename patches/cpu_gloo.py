@@ -88,7 +88,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy
+from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, Target
 
@@ -134,14 +134,6 @@ def _make_set_rng_state(original):
     return _set_cuda_rng_state
 
 
-def _make_setup_embeddings(original):
-    def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        with _TensorCudaIsIdentity():
-            return original(self, *args, **kwargs)
-
-    return setup_embeddings_and_output_layer
-
-
 class _CpuFloatTypeReadsAsCuda(TorchFunctionMode):
     """Inside this mode ``Tensor.type()`` (no argument) of a CPU float32 tensor reads
     ``'torch.cuda.FloatTensor'``: ``clip_grad_by_total_norm_fp32`` asserts that type string
@@ -152,14 +144,6 @@ class _CpuFloatTypeReadsAsCuda(TorchFunctionMode):
             name = func(*args)
             return "torch.cuda.FloatTensor" if name == "torch.FloatTensor" else name
         return func(*args, **(kwargs or {}))
-
-
-def _make_clip_grads(original):
-    def clip_grad_by_total_norm_fp32(*args, **kwargs):
-        with _CpuFloatTypeReadsAsCuda():
-            return original(*args, **kwargs)
-
-    return clip_grad_by_total_norm_fp32
 
 
 def _make_interleaved_guard(original):
@@ -299,10 +283,11 @@ PATCH = Patch(
         Target(
             "megatron.core.models.common.language_module.language_module",
             "LanguageModule.setup_embeddings_and_output_layer",
-            _make_setup_embeddings,
+            under_mode(_TensorCudaIsIdentity),
         ),
         # optimizer.py imported the function by name: wrap the name it calls
-        Target("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _make_clip_grads),
+        Target("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+               under_mode(_CpuFloatTypeReadsAsCuda)),
         Target(_MOE_DISPATCHER, "torch", _make_dispatcher_torch),
         Target(_MOE_DISPATCHER, "maybe_move_tensor_to_cpu", _make_move_to_cpu),
         Target(_MOE_UTILS, "RouterGatingLinearFunction.forward", _make_gating_step),

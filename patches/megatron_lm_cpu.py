@@ -41,7 +41,7 @@ import types
 
 import torch
 
-from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy
+from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, StandIn, Target
 from ._megatron_lm_release import check_checkout
@@ -92,14 +92,6 @@ def _make_allow_no_cuda(original):
     return initialize_megatron
 
 
-def _make_cuda_is_identity(original):
-    def get_model(*args, **kwargs):
-        with _TensorCudaIsIdentity():
-            return original(*args, **kwargs)
-
-    return get_model
-
-
 def _make_noop(original):
     @functools.wraps(original)
     def noop(*args, **kwargs):
@@ -137,7 +129,7 @@ PATCH = Patch(
     targets=tuple(Target(m, "torch", make_torch_proxy(training=True)) for m in TORCH_PROXY_MODULES)
     + (
         Target("megatron.training.training", "initialize_megatron", _make_allow_no_cuda),
-        Target("megatron.training.training", "get_model", _make_cuda_is_identity),
+        Target("megatron.training.training", "get_model", under_mode(_TensorCudaIsIdentity)),
         Target("megatron.training.initialize", "_warmup_jit_function", _make_noop),
         Target("megatron.legacy.fused_kernels", "load", _make_noop),
         Target("megatron.core.datasets.utils", "compile_helpers", _make_compile_helpers),
