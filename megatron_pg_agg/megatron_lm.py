@@ -173,8 +173,9 @@ class RolloutFeed:
     ``steps`` maps a step key to its :class:`~megatron_pg_agg.rollouts.RolloutBatch`; iteration
     ``i`` trains on ``steps[keys[i mod S]]``."""
 
-    def __init__(self, steps: dict, loss_cfg, plan_cfg, *, dp_rank: int, cp_rank: int):
+    def __init__(self, steps: dict, loss_cfg, plan_cfg, *, dp_rank: int, cp_rank: int, pin: bool = False):
         self.steps, self.keys = steps, sorted(steps)
+        self.pin = pin  # CUDA: page-locked microbatches, so the forward step's copies are async
         self.loss_cfg, self.plan_cfg = loss_cfg, plan_cfg
         self.dp_rank, self.cp_rank = dp_rank, cp_rank
         self._plans: dict = {}
@@ -188,7 +189,10 @@ class RolloutFeed:
 
         key = self.step_key(iteration)
         if key not in self._plans:
-            self._plans[key] = plan_step(self.steps[key], self.loss_cfg, self.plan_cfg, cp_rank=self.cp_rank)
+            plan = plan_step(self.steps[key], self.loss_cfg, self.plan_cfg, cp_rank=self.cp_rank)
+            if self.pin:
+                plan.microbatches = [[mb.pin_memory() for mb in row] for row in plan.microbatches]
+            self._plans[key] = plan
         return self._plans[key]
 
     def problems(self) -> list:
@@ -301,7 +305,7 @@ class Actor:
             max_tokens_per_microbatch=args.seq_length,
         )
         feed = RolloutFeed(self.steps, self.loss_cfg, plan_cfg, dp_rank=mpu.get_data_parallel_rank(),
-                           cp_rank=mpu.get_context_parallel_rank())
+                           cp_rank=mpu.get_context_parallel_rank(), pin=self.cuda)
         problems = feed.problems()
         if problems:
             raise StartupError(

@@ -68,16 +68,27 @@ class Microbatch:
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
 
-    def to(self, device) -> "Microbatch":
+    def _map(self, fn) -> "Microbatch":
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, (torch.Tensor, TokenWeights)):
-                value = value.to(device, non_blocking=True)
+            if isinstance(value, torch.Tensor):
+                value = fn(value)
+            elif isinstance(value, TokenWeights):
+                value = TokenWeights(fn(value.coef), fn(value.count), value.mode)
             elif isinstance(value, dict):
-                value = {k: v.to(device, non_blocking=True) for k, v in value.items()}
+                value = {k: fn(v) for k, v in value.items()}
             moved[f.name] = value
         return Microbatch(**moved)
+
+    def to(self, device) -> "Microbatch":
+        """Every tensor on ``device`` with ``non_blocking`` copies (asynchronous from pinned memory:
+        see :meth:`pin_memory`)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "Microbatch":
+        """A copy in page-locked host memory, so that :meth:`to` a GPU does not block the host."""
+        return self._map(lambda t: t.pin_memory())
 
 
 @dataclass(frozen=True)
