@@ -72,10 +72,8 @@ def worker(args) -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from megatron_pg_agg.losses import PGLossConfig
-    from megatron_pg_agg.megatron_loss import packed_seq_params, pg_loss_func
+    from megatron_pg_agg.megatron_loss import packed_seq_params, pg_loss_func, run_schedule
     from megatron_pg_agg.model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp
     from megatron_pg_agg.parallel import init_distributed, init_parallel
     from megatron_pg_agg.planner import PlanConfig, plan_step
@@ -121,9 +119,7 @@ def worker(args) -> None:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
-                                    num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs),
-                                    micro_batch_size=1, forward_only=False)
+        run_schedule(model, mbs, forward_step)
         optimizer.step()
 
     for name in variants:  # warm-up

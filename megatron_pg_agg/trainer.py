@@ -410,8 +410,29 @@ def _grad_square_sum(model, device=None) -> float:
     return float(total)
 
 
-def train(args) -> dict:
-    """Run the whole job; returns rank 0's last metrics record (empty dict elsewhere)."""
+@dataclass
+class Session:
+    """Everything a running job holds, built once by :func:`setup` (parallel state, model,
+    optimizer, resumed state, plan config, logger) and read by :func:`train_step`."""
+
+    args: argparse.Namespace
+    loss_cfg: object
+    """The typed loss config (``PGLossConfig``), built once from the flags."""
+    plan_cfg: object
+    """The ``PlanConfig``, built once from the flags and the parallel sizes."""
+    steps: dict
+    """``{rollout step: RolloutBatch}``, checked before any process group."""
+    model: list
+    optimizer: object
+    state: RunState
+    log: MetricsLog
+    rank: int
+    device: object
+    experts: bool
+
+
+def setup(args) -> Session:
+    """Checks (before any process group), patches, process groups, model, optimizer and resume."""
     import torch
     import torch.distributed as dist
 
@@ -443,13 +464,10 @@ def train(args) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .losses import REPORT_KEYS
-    from .megatron_loss import check_megatron_config, make_forward_step
+    from .megatron_loss import check_megatron_config
     from .model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp
-    from .moe import begin_moe_step, router_loss_pairs, router_loss_values
-    from .planner import PlanConfig, plan_step
+    from .planner import PlanConfig
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     vpp = None
@@ -516,12 +534,6 @@ def train(args) -> dict:
               + (f" experts={args.num_experts} top{args.moe_router_topk} EP={ep} "
                  f"dispatcher={args.moe_token_dispatcher_type}" if experts else ""),
               file=sys.stderr, flush=True)
-    step_keys = sorted(steps)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    cp_rank = parallel_state.get_context_parallel_rank()
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    device = torch.device("cuda") if cuda else None
     plan_cfg = PlanConfig(
         dp_size=parallel_state.get_data_parallel_world_size(),
         num_microbatches=None if args.max_tokens_per_microbatch else (args.num_microbatches or 2),
@@ -529,104 +541,134 @@ def train(args) -> dict:
         tp_size=tp, sequence_parallel=args.sequence_parallel, cp_size=cp, vocab_size=args.vocab_size,
         uniform_microbatch_tokens=uniform_tokens,
     )
-    dp_size = parallel_state.get_data_parallel_world_size()
-    record = {}
-    while state.iteration < args.train_iters:
-        key = step_keys[state.iteration % len(step_keys)]
-        t0 = time.perf_counter()
-        plan = plan_step(steps[key], loss_cfg, plan_cfg, cp_rank=cp_rank)
-        mbs = plan.for_rank(dp_rank)
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        if experts:  # the router losses' per-step factor W / M_total (host integers, no collective)
-            begin_moe_step(plan.totals.pg_weight, len(mbs), dp_size)
-        forward_step = make_forward_step(loss_cfg, plan.totals, device=device,
-                                         tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                         cp_group=parallel_state.get_context_parallel_group())
-        store = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(mbs) for _ in model] if len(model) > 1 else iter(mbs),
-            model=model, num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs),
-            micro_batch_size=1, forward_only=False,
-        )
-        # step-level reductions (never per microbatch): report pairs and a finiteness flag
-        names = REPORT_KEYS
-        pairs = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
-        if last_stage:
-            for report in store:
-                for i, name in enumerate(names):
-                    if name in report:
-                        pairs[i] += report[name].double()
-        dist.all_reduce(pairs, group=dp_cp_group)
-        if experts:  # router aux/z losses as [sum, count] pairs over every rank (exact logging)
-            moe_pairs = router_loss_pairs(model, len(mbs), device=device)
-            dist.all_reduce(moe_pairs)
-        grads_finite = [torch.isfinite(p.main_grad).all() for chunk in model for p in chunk.parameters()
-                        if p.requires_grad and getattr(p, "main_grad", None) is not None]
-        finite = torch.stack([torch.isfinite(pairs).all(), *grads_finite]).all().double().reshape(1)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one host sync per step, after the schedule
-        skipped = False
-        if finite.item() < 1:
-            if not args.pg_skip_nonfinite_steps:
-                raise NonFiniteStepError(
-                    f"iteration {state.iteration} (rollout step {key}): non-finite loss or gradient; "
-                    "nothing was updated. Check the rollouts' advantages/log-probs, or pass "
-                    "--pg-skip-nonfinite-steps to skip such steps.")
+    return Session(args=args, loss_cfg=loss_cfg, plan_cfg=plan_cfg, steps=steps, model=model,
+                   optimizer=optimizer, state=state, log=log, rank=rank,
+                   device=torch.device("cuda") if cuda else None, experts=experts)
+
+
+def train_step(s: Session) -> dict:
+    """One optimizer step on rollout step ``iteration mod S``: plan -> schedule -> finalize ->
+    checks -> optimizer -> metrics. Returns the step's metrics record."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from .losses import REPORT_KEYS
+    from .megatron_loss import make_forward_step, run_schedule
+    from .moe import begin_moe_step, router_loss_pairs, router_loss_values
+    from .planner import plan_step
+
+    args, state, model, device = s.args, s.state, s.model, s.device
+    step_keys = sorted(s.steps)
+    key = step_keys[state.iteration % len(step_keys)]
+    t0 = time.perf_counter()
+    plan = plan_step(s.steps[key], s.loss_cfg, s.plan_cfg, cp_rank=parallel_state.get_context_parallel_rank())
+    mbs = plan.for_rank(parallel_state.get_data_parallel_rank())
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    s.optimizer.zero_grad()
+    if s.experts:  # the router losses' per-step factor W / M_total (host integers, no collective)
+        begin_moe_step(plan.totals.pg_weight, len(mbs), s.plan_cfg.dp_size)
+    forward_step = make_forward_step(s.loss_cfg, plan.totals, device=device,
+                                     tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                     cp_group=parallel_state.get_context_parallel_group())
+    store = run_schedule(model, mbs, forward_step)
+    # step-level reductions (never per microbatch): report pairs and a finiteness flag
+    pairs = torch.zeros(len(REPORT_KEYS), 2, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for report in store:
+            for i, name in enumerate(REPORT_KEYS):
+                if name in report:
+                    pairs[i] += report[name].double()
+    dist.all_reduce(pairs, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if s.experts:  # router aux/z losses as [sum, count] pairs over every rank (exact logging)
+        moe_pairs = router_loss_pairs(model, len(mbs), device=device)
+        dist.all_reduce(moe_pairs)
+    grads_finite = [torch.isfinite(p.main_grad).all() for chunk in model for p in chunk.parameters()
+                    if p.requires_grad and getattr(p, "main_grad", None) is not None]
+    finite = torch.stack([torch.isfinite(pairs).all(), *grads_finite]).all().double().reshape(1)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one host sync per step, after the schedule
+    skipped = False
+    if finite.item() < 1:
+        if not args.pg_skip_nonfinite_steps:
+            raise NonFiniteStepError(
+                f"iteration {state.iteration} (rollout step {key}): non-finite loss or gradient; "
+                "nothing was updated. Check the rollouts' advantages/log-probs, or pass "
+                "--pg-skip-nonfinite-steps to skip such steps.")
+        skipped = True
+        state.skipped += 1
+        grad_norm = float("nan")
+    elif plan.totals.pg_weight == 0:
+        # W = 0 (every response token masked): J = 0 and every gradient is 0 by the contract.
+        # Nothing to learn, so no optimizer step (Adam's momentum would still move the weights
+        # and advance its step count); the logged grad_norm is 0 exactly when every gradient is.
+        grad_norm = _grad_square_sum(model, device) ** 0.5
+    else:
+        ok, grad_norm, _ = s.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if not ok:  # the optimizer refused the update (a mixed-precision loss scaler found inf)
             skipped = True
             state.skipped += 1
-            grad_norm = float("nan")
-        elif plan.totals.pg_weight == 0:
-            # W = 0 (every response token masked): J = 0 and every gradient is 0 by the contract.
-            # Nothing to learn, so no optimizer step (Adam's momentum would still move the weights
-            # and advance its step count); the logged grad_norm is 0 exactly when every gradient is.
-            grad_norm = _grad_square_sum(model, device) ** 0.5
-        else:
-            ok, grad_norm, _ = optimizer.step()
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            if not ok:  # the optimizer refused the update (a mixed-precision loss scaler found inf)
-                skipped = True
-                state.skipped += 1
-        state.iteration += 1
-        elapsed = time.perf_counter() - t0
-        # only the last pipeline stage fills the report pairs: share them for logging
-        pairs_all = pairs.clone()
-        if pp > 1:
-            dist.broadcast(pairs_all, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=parallel_state.get_pipeline_model_parallel_group())
-        values = {name: float(pairs_all[i, 0] / pairs_all[i, 1]) if pairs_all[i, 1] > 0 else None
-                  for i, name in enumerate(names)}
-        values["objective"] = values["objective"] or 0.0  # W = 0: J = 0 by the contract
-        record = {
-            "iteration": state.iteration, "rollout_step": key,
-            "objective": values["objective"], "pg_loss": values["pg_loss"],
-            "weight": plan.totals.pg_weight, "valid_tokens": plan.totals.valid_tokens,
-            "clip_fraction": values["clip_fraction"], "ratio": values["ratio"],
-            "kl": values["kl"], "entropy": values["entropy"], "grad_norm": grad_norm,
-            "tokens_per_s": plan.stats["tokens"] / elapsed, "step_s": elapsed,
-            "microbatches": plan.stats["microbatches_per_rank"],
-            "microbatch_balance": plan.stats["microbatch_balance"],
-            "skipped": skipped, "skipped_total": state.skipped,
-        }
-        if experts:
-            record.update(router_loss_values(moe_pairs))
-        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            log.log(record)
-        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            save_checkpoint(args.save, state.iteration, model, optimizer, rank, {"skipped": state.skipped})
+    state.iteration += 1
+    elapsed = time.perf_counter() - t0
+    # only the last pipeline stage fills the report pairs: share them for logging
+    pairs_all = pairs.clone()
+    if args.pipeline_model_parallel_size > 1:
+        dist.broadcast(pairs_all, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    values = {name: float(pairs_all[i, 0] / pairs_all[i, 1]) if pairs_all[i, 1] > 0 else None
+              for i, name in enumerate(REPORT_KEYS)}
+    values["objective"] = values["objective"] or 0.0  # W = 0: J = 0 by the contract
+    record = {
+        "iteration": state.iteration, "rollout_step": key,
+        "objective": values["objective"], "pg_loss": values["pg_loss"],
+        "weight": plan.totals.pg_weight, "valid_tokens": plan.totals.valid_tokens,
+        "clip_fraction": values["clip_fraction"], "ratio": values["ratio"],
+        "kl": values["kl"], "entropy": values["entropy"], "grad_norm": grad_norm,
+        "tokens_per_s": plan.stats["tokens"] / elapsed, "step_s": elapsed,
+        "microbatches": plan.stats["microbatches_per_rank"],
+        "microbatch_balance": plan.stats["microbatch_balance"],
+        "skipped": skipped, "skipped_total": state.skipped,
+    }
+    if s.experts:
+        record.update(router_loss_values(moe_pairs))
+    return record
+
+
+def close(s: Session, record: dict) -> dict:
+    """The final checkpoint (unless the last step saved one), the parameter checksum, the last
+    log lines, and the process group."""
+    import torch.distributed as dist
+
+    args, state = s.args, s.state
     if args.save and not (args.save_interval and state.iteration % args.save_interval == 0):
-        save_checkpoint(args.save, state.iteration, model, optimizer, rank, {"skipped": state.skipped})
-    checksum = _param_checksum(model)
-    if rank == 0:
+        save_checkpoint(args.save, state.iteration, s.model, s.optimizer, s.rank, {"skipped": state.skipped})
+    checksum = _param_checksum(s.model)
+    if s.rank == 0:
         record["param_checksum"] = checksum
-        if log.file:
-            log.file.write(json.dumps({"final": True, "iteration": state.iteration,
-                                       "param_checksum": checksum, "skipped_total": state.skipped}) + "\n")
+        if s.log.file:
+            s.log.file.write(json.dumps({"final": True, "iteration": state.iteration,
+                                         "param_checksum": checksum, "skipped_total": state.skipped}) + "\n")
         print(f"[train] done: {state.iteration} iterations, objective={record.get('objective', float('nan')):.6g}, "
               f"param_checksum={checksum:.10g}, skipped={state.skipped}", file=sys.stderr, flush=True)
-    log.close()
+    s.log.close()
     dist.destroy_process_group()
     return record
+
+
+def train(args) -> dict:
+    """Run the whole job: setup, steps, close. Returns rank 0's last metrics record (empty dict
+    elsewhere)."""
+    s = setup(args)
+    record = {}
+    while s.state.iteration < args.train_iters:
+        record = train_step(s)
+        if s.state.iteration % args.log_interval == 0 or s.state.iteration == args.train_iters:
+            s.log.log(record)
+        if args.save and args.save_interval and s.state.iteration % args.save_interval == 0:
+            save_checkpoint(args.save, s.state.iteration, s.model, s.optimizer, s.rank,
+                            {"skipped": s.state.skipped})
+    return close(s, record)
 
 
 def main(argv=None) -> int:

@@ -37,10 +37,9 @@ apply_megatron_patches(cpu_gloo=True, moe_aux_loss=True)  # before any model is 
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from megatron_pg_agg.losses import PGLossConfig  # noqa: E402
-from megatron_pg_agg.megatron_loss import check_megatron_config, make_forward_step  # noqa: E402
+from megatron_pg_agg.megatron_loss import check_megatron_config, make_forward_step, run_schedule  # noqa: E402
 from megatron_pg_agg.model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp  # noqa: E402
 from megatron_pg_agg.moe import begin_moe_step, clear_moe_aux_loss_scale, router_loss_pairs  # noqa: E402
 from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
@@ -129,10 +128,8 @@ class Setup:
             clear_moe_aux_loss_scale()
         for chunk in model:
             chunk.zero_grad_buffer()
-        get_forward_backward_func()(
-            forward_step_func=make_forward_step(cfg, plan.totals, tp_group=parallel_state.get_tensor_model_parallel_group()),
-            data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-            seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1, forward_only=False)
+        run_schedule(model, mbs, make_forward_step(cfg, plan.totals,
+                                                   tp_group=parallel_state.get_tensor_model_parallel_group()))
         clear_moe_aux_loss_scale()
         pairs = router_loss_pairs([c.module for c in model], len(mbs))
         dist.all_reduce(pairs)
