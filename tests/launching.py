@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,13 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pg_agg.parallel import free_port  # noqa: F401  (the one copy, re-exported for tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra) -> dict:
