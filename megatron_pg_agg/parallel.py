@@ -79,13 +79,16 @@ def init_distributed(
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1, *, seed: int = 1234, ep: int = 1
+    tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1, *, seed: int = 1234, ep: int = 1,
+    timeout_minutes: Optional[float] = None,
 ) -> Layout:
     """(Re)initialise megatron's model-parallel state for one layout and seed its RNG tracker.
 
     ``torch.distributed`` must be initialised (see :func:`init_distributed`); the data-parallel
     size is ``world_size / (tp * pp * cp)``. ``vpp`` is the number of virtual pipeline stages per
-    rank (interleaved schedule), ``None`` for none.
+    rank (interleaved schedule), ``None`` for none. ``timeout_minutes`` is the timeout of megatron's
+    process groups (DP, TP, PP, ...: the ones the schedules and DDP use); None keeps megatron's
+    default (30 minutes).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
@@ -101,6 +104,7 @@ def init_parallel(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=world // (tp * pp * cp))

@@ -4,8 +4,9 @@
     python -m megatron_pg_agg.parity --modes seq_mean --json out.json --plot errors.png
 
 The launcher groups the layouts by world size and starts one ``torchrun`` per group (many layouts
-per launch: start-up dominates). Each worker computes the reference on its own (TP = PP = 1, the
-whole step in one ``aggregate`` call, per-sequence forward passes, autograd), then for every
+per launch: start-up dominates). Each worker computes the reference on its own (TP = PP = 1,
+per-sequence forward passes, the objective in float64 Python sums written from the README's
+formulas, sharing no code with the package's loss or aggregation, autograd), then for every
 layout: builds the model with the reference weights (TP shards sliced by ``partition_dim``,
 pipeline layers mapped by ``layer_number``), plans the step, runs megatron-core's real
 forward-backward schedule with DDP and ``finalize_model_grads``, gathers the gradient shards and
@@ -121,7 +122,9 @@ def parity_rollouts(seed: int = 7, with_ref: bool = True):
     (so microbatches and ranks get different token counts and the planner must regroup)."""
     import random
 
-    from .planner import Rollout
+    
+
+    from .rollouts import Rollout
 
     rng = random.Random(seed)
     rollouts, seq = [], 0
@@ -254,13 +257,92 @@ def gather_full_grads(ddp_chunks) -> dict:
     return out
 
 
-def reference(rollouts, mode: str, kind: str, full_state: Optional[dict] = None):
-    """Single-device objective and gradients: every sequence forwarded on its own, the whole step
-    aggregated in ONE local-form call (no planner, no token weights, no split)."""
+def step_objective(forward_logits, rollouts, cfg) -> tuple:
+    """The step objective J from the README's formulas, written independently of the package's
+    loss and aggregation code: float64, one response at a time, plain per-token Python sums.
+
+    ``forward_logits(ids)`` returns the logits ``[len(ids), V]`` of one whole sequence (the model
+    is the only thing shared with what is checked); ``cfg`` is read for its numbers only (mode,
+    divisor, clips, coefficients). Per response token ``j`` (scored at position ``P + j - 1``):
+    ``d`` = loss_mask, ``n`` = d and numerator_mask, ``r = exp(log p - old)``,
+    ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, capped at ``-A c`` for A < 0 with
+    dual clip c. ``N_u``/``D_u`` sum ``n l``/``d`` over a unit; prompt groups are the responses
+    sharing a group_id (pooled). token_mean: sum N / sum D; seq_mean: mean over active sequences of
+    N_s / D_s; prompt_mean: mean over active groups of N_g / D_g; constant: sum N / (active
+    sequences * L). Plus ``kl_coef`` x the mean KL (k1/k2/k3) and minus ``entropy_coef`` x the mean
+    entropy over the ``d`` tokens of the step; J = 0 when no unit is active.
+    Returns ``(J, W)``: a float64 0-d tensor (differentiable) and the integer weight."""
+    import math
+
     import torch
 
-    from .aggregation import aggregate
-    from .losses import kl_penalty, ppo_token_losses
+    if getattr(cfg, "policy_loss", "ppo") != "ppo" or getattr(cfg, "rollout_correction", None) is not None:
+        raise NotImplementedError("the independent reference covers the PPO surrogate without a rollout correction")
+    mode = cfg.canonical_mode
+    low, high, dual = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high, cfg.dual_clip
+    zero = torch.zeros((), dtype=torch.float64)
+    units = []  # per response: (group_id, N_s, D_s)
+    kl_sum, ent_sum, tokens_d = zero, zero, 0
+    for r in rollouts:
+        ids = list(r.prompt_ids) + list(r.response_ids)
+        logits = forward_logits(ids).double()
+        p = len(r.prompt_ids)
+        num, den = zero, 0
+        for j, token in enumerate(r.response_ids):
+            if not r.loss_mask[j]:
+                continue
+            row = torch.log_softmax(logits[p + j - 1], dim=-1)
+            logp = row[token]
+            den += 1
+            filtered = r.numerator_mask is not None and not r.numerator_mask[j]
+            if not filtered:
+                adv = float(r.advantages[j])
+                ratio = torch.exp(logp - float(r.old_logprobs[j]))
+                surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, low, high))
+                if dual is not None and adv < 0:
+                    surrogate = torch.minimum(surrogate, torch.tensor(-adv * dual, dtype=torch.float64))
+                num = num + surrogate
+            if cfg.kl_coef > 0:
+                x = logp - float(r.ref_logprobs[j])  # log(pi / ref)
+                kl = {"k1": x, "k2": 0.5 * x * x, "k3": torch.exp(-x) + x - 1.0}[cfg.kl_estimator]
+                kl_sum = kl_sum + kl
+            if cfg.entropy_coef > 0:
+                ent_sum = ent_sum - (row.exp() * row).sum()
+        tokens_d += den
+        units.append((r.group_id, num, den))
+    active = [(n, d) for _, n, d in units if d > 0]
+    if mode == "token_mean":
+        weight = tokens_d
+        pg = sum((n for _, n, _ in units), zero) / max(tokens_d, 1)
+    elif mode == "seq_mean":
+        weight = len(active)
+        pg = sum((n / d for n, d in active), zero) / max(weight, 1)
+    elif mode == "constant":
+        weight = len(active)
+        pg = sum((n for n, _ in active), zero) / (max(weight, 1) * float(cfg.divisor))
+    elif mode == "prompt_mean":
+        groups = {}
+        for g, n, d in units:
+            acc = groups.setdefault(g, [zero, 0])
+            acc[0], acc[1] = acc[0] + n, acc[1] + d
+        pooled = [(n, d) for n, d in groups.values() if d > 0]
+        weight = len(pooled)
+        pg = sum((n / d for n, d in pooled), zero) / max(weight, 1)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    if weight == 0:
+        return zero, 0
+    objective = pg + (cfg.kl_coef * kl_sum - cfg.entropy_coef * ent_sum) / tokens_d
+    assert math.isfinite(float(objective))
+    return objective, weight
+
+
+def reference(rollouts, mode: str, kind: str, full_state: Optional[dict] = None):
+    """Single-device objective and gradients, independent of the package's loss, aggregation and
+    planning code: every sequence forwarded on its own, :func:`step_objective` (float64 Python
+    sums from the README's formulas) differentiated by autograd. No planner, no token weights, no
+    split; only the model (and its weights) is shared with the layouts it checks."""
+    import torch
 
     cfg = loss_config(mode)
     layout = ParityLayout("reference", experts=MOE_EXPERTS if kind == "moe" else 0)
@@ -271,49 +353,14 @@ def reference(rollouts, mode: str, kind: str, full_state: Optional[dict] = None)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     device = next(model.parameters()).device
-    first_seen = {}
-    for r in rollouts:
-        first_seen.setdefault(r.group_id, len(first_seen))
-    order = sorted(range(len(rollouts)), key=lambda i: (first_seen[rollouts[i].group_id], i))
-    group_sizes = []
-    for k, i in enumerate(order):
-        same = k and rollouts[i].group_id == rollouts[order[k - 1]].group_id
-        if same:
-            group_sizes[-1] += 1
-        else:
-            group_sizes.append(1)
-    width = max(len(r.response_ids) for r in rollouts)
-    rows = len(rollouts)
-    num = torch.zeros(rows, width, dtype=torch.bool)
-    den = torch.zeros(rows, width, dtype=torch.bool)
-    pg_rows, kl_rows, ent_rows = [], [], []
-    for row, i in enumerate(order):
-        r = rollouts[i]
-        ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)], device=device)
-        logits = model(ids, torch.arange(ids.shape[1], device=device)[None], None)[0].float().cpu()
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        logp_all = torch.log_softmax(logits[p - 1:p + n - 1], -1)
-        logp = logp_all.gather(-1, torch.tensor(list(r.response_ids))[:, None])[:, 0]
-        d = torch.tensor(list(r.loss_mask), dtype=torch.bool)
-        nm = d & torch.tensor(list(r.numerator_mask), dtype=torch.bool)
-        old = torch.where(d, torch.tensor(r.old_logprobs, dtype=torch.float32), 0.0)
-        adv = torch.where(d, torch.tensor(r.advantages, dtype=torch.float32), 0.0)
-        ref = torch.where(d, torch.tensor(r.ref_logprobs, dtype=torch.float32), 0.0)
-        pg, _, _ = ppo_token_losses(logp, old, adv, cfg)
-        pad = width - n
-        pg_rows.append(torch.nn.functional.pad(pg, (0, pad)))
-        kl_rows.append(torch.nn.functional.pad(kl_penalty(logp, ref, cfg.kl_estimator), (0, pad)))
-        ent_rows.append(torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), (0, pad)))
-        num[row, :n], den[row, :n] = nm, d
-    pg = torch.stack(pg_rows)
-    j_pg, weight = aggregate(pg, num, denominator_mask=den, mode=cfg.canonical_mode,
-                             divisor=cfg.divisor, group_sizes=group_sizes)
-    objective = j_pg
-    valid = int(den.sum())
-    if int(weight) > 0:
-        objective = (objective + cfg.kl_coef * torch.where(den, torch.stack(kl_rows), 0.0).sum() / valid
-                     - cfg.entropy_coef * torch.where(den, torch.stack(ent_rows), 0.0).sum() / valid)
-    objective.backward()
+
+    def forward_logits(ids):
+        tokens = torch.tensor([ids], device=device)
+        return model(tokens, torch.arange(len(ids), device=device)[None], None)[0].cpu()
+
+    objective, _ = step_objective(forward_logits, rollouts, cfg)
+    if objective.requires_grad:
+        objective.backward()
     grads = {name: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).cpu().clone()
              for name, p in model.named_parameters()}
     return float(objective), grads, state
@@ -547,6 +594,56 @@ def print_table(rows) -> None:
     print(f"{'layout':<50} {'mode':<12} {'objective':>12} {'obj relerr':>10} {'grad relerr':>10}  result")
     for row in rows:
         print(_format_row(row))
+
+
+TABLE_HEADER = "| layout | " + " | ".join(MODES) + " |"
+_REFERENCE_LABELS = {"gpt": "", "per_token": " (per-token model)", "moe": " (MoE model)"}
+
+
+def _table_cell(row) -> str:
+    if row["layout"].startswith("single-process reference"):
+        return f"J = {row['objective']:.7f}"
+    cell = f"{row['objective_rel_err']:.1e} / {row['grad_max_rel_err']:.1e}"
+    if row["expect_fail"]:
+        cell += " **fails, as it must**" if row["passed"] else " **did not fail: control broken**"
+    elif not row["passed"]:
+        cell += " **FAIL**"
+    return cell
+
+
+def markdown_table(rows) -> str:
+    """The README's parity table from the rows ``--json`` writes: one line per layout, cells
+    ``J = ...`` (references) or ``objective rel err / max grad rel err`` per mode, ``-`` where a
+    mode did not run. Grouped by model (GPT, per-token, MoE): the reference first, then the
+    layouts in ``DEFAULT_LAYOUTS`` order (controls last); unknown layouts at the end."""
+    by_layout = {}
+    for row in rows:
+        by_layout.setdefault(row["layout"], {})[row["mode"]] = row
+    order = []
+    for kind, label in _REFERENCE_LABELS.items():
+        order.append("single-process reference" + label)
+        members = [lay for lay in DEFAULT_LAYOUTS if _kind(lay) == kind]
+        order += [lay.name for lay in members if not lay.expect_fail] + [lay.name for lay in members if lay.expect_fail]
+    order += [name for name in by_layout if name not in order]
+    lines = [TABLE_HEADER, "|---" * (len(MODES) + 1) + "|"]
+    for name in order:
+        if name not in by_layout:
+            continue
+        cells = [_table_cell(by_layout[name][m]) if m in by_layout[name] else "-" for m in MODES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def find_markdown_table(text: str) -> tuple:
+    """``(start, end)`` character offsets of the parity table in ``text`` (README.md): from its
+    header line to the end of its last row."""
+    start = text.index(TABLE_HEADER + "\n")
+    end = start
+    for line in text[start:].splitlines(keepends=True):
+        if not line.startswith("|"):
+            break
+        end += len(line)
+    return start, end
 
 
 def plot_errors(rows, path: str) -> None:

@@ -38,7 +38,7 @@ import torch
 from .aggregation import TokenWeights, token_weights
 from .context_parallel import cp_partition_index
 from .modes import resolve_mode
-from .rollouts import PlanError, Rollout, RolloutBatch, check_rollout  # noqa: F401  (re-exported)
+from .rollouts import PlanError, RolloutBatch
 from .segments import exclusive_cumsum, running_sums, segment_ids, segment_of
 
 

@@ -67,7 +67,9 @@ import secrets
 from collections.abc import Sequence
 from typing import Callable, NoReturn, Optional, Union
 
-from .planner import Rollout
+
+
+from .rollouts import Rollout
 from .rollouts import LOGPROB_TOLERANCE
 
 __all__ = ["RolloutFormatError", "load_rollouts", "write_rollouts"]

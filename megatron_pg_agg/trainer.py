@@ -195,7 +195,7 @@ def synthetic_rollouts(*, num_steps: int = 4, prompts_per_step: int = 6, group_s
     ragged length; reward = share of even token ids in the response, advantages = reward minus the
     group mean (so the actor learns to favour even tokens); old log-probs near uniform; reference
     log-probs for a KL term; some tokens masked out and some filtered from the numerator."""
-    from .planner import Rollout
+    from .rollouts import Rollout
 
     rng = random.Random(seed)
     uniform = -math.log(vocab_size)
@@ -235,7 +235,8 @@ def load_steps(args) -> dict:
 def _check_steps(steps: dict, args, world: int) -> dict:
     """Every step must be plannable before the first update: a step that would fail at iteration
     k must not let iterations 0..k-1 train first. Returns the steps packed as RolloutBatch."""
-    from .planner import PlanConfig, PlanError, RolloutBatch, padded_lengths, policy_loss_notes, require_inputs
+    from .planner import PlanConfig, padded_lengths, policy_loss_notes, require_inputs
+    from .rollouts import PlanError, RolloutBatch
 
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     dp = world // (tp * pp * cp)

@@ -3,16 +3,21 @@ layouts (torchrun, gloo, CPU) against a single-process reference, for every mode
 
 One run of the parity command (two torchrun launches: 2 and 4 ranks) covers DP=2, TP=2, PP=2
 (1F1B), PP=2 interleaved, 1/3/8 microbatches, DP=2 x PP=2, TP=2 x PP=2, TP=2 x DP=2, CP=2 x DP=2
-(per-token model) and three negative controls that must FAIL parity.
+(per-token model), the MoE layouts and three negative controls that must FAIL parity. The
+reference (``parity.step_objective``) shares no code with the package's loss or aggregation, so a
+bug common to the library's two forms fails every row. The README's table must be what this run
+prints (benchmarks/parity_table.py writes it).
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_pg_agg.parity import DEFAULT_LAYOUTS, GRAD_RTOL, MODES, OBJECTIVE_RTOL, loss_config, parity_rollouts
+from megatron_pg_agg.parity import (DEFAULT_LAYOUTS, GRAD_RTOL, MODES, OBJECTIVE_RTOL, find_markdown_table,
+                                    loss_config, markdown_table, parity_rollouts)
 from megatron_pg_agg.planner import PlanConfig, plan_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +46,8 @@ def test_every_layout_and_mode_matches_the_reference(parity_run):
         assert r["objective_rel_err"] <= OBJECTIVE_RTOL, r
         assert r["grad_max_rel_err"] <= GRAD_RTOL, r
         assert r["passed"]
-    assert "0 failed" in proc.stdout
+    # the summary line exactly (a substring match would accept "10 failed")
+    assert proc.stdout.rstrip().splitlines()[-1] == f"{len(rows)} passed, 0 failed", proc.stdout[-3000:]
 
 
 def test_negative_controls_fail_parity(parity_run):
@@ -78,3 +84,128 @@ def test_the_parity_step_really_splits_groups_and_has_unequal_microbatches():
     # one response has no valid token and some tokens are filtered from the numerator only
     assert any(sum(r.loss_mask) == 0 for r in rollouts)
     assert any(n < m for r in rollouts for n, m in zip(r.numerator_mask, r.loss_mask))
+
+
+def _cells(table: str) -> dict:
+    """{(layout, mode): cell text} of a markdown parity table (header and rule skipped)."""
+    out = {}
+    for line in table.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        for mode, cell in zip(MODES, cells[1:]):
+            out[(cells[0], mode)] = cell
+    return out
+
+
+_NUMBER = re.compile(r"-?\d+\.(\d+)(?:e([-+]\d+))?")
+
+
+def table_mismatches(readme_table: str, rows) -> list:
+    """Where a README parity table disagrees with the suite's JSON rows: layouts and their order,
+    which modes ran, the verdict markers, and every number beyond one unit of its last printed
+    digit (so run-to-run noise at a rounding boundary passes, any real change does not)."""
+    fresh = markdown_table(rows)
+    problems = []
+    names = lambda table: [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]  # noqa: E731
+    if names(readme_table) != names(fresh):
+        problems.append(f"layouts differ: README {names(readme_table)} vs suite {names(fresh)}")
+    want, got = _cells(readme_table), _cells(fresh)
+    for key in sorted(set(want) & set(got)):
+        a, b = want[key], got[key]
+        if _NUMBER.sub("#", a) != _NUMBER.sub("#", b):
+            problems.append(f"{key}: README {a!r} vs suite {b!r}")
+            continue
+        for x, y in zip(_NUMBER.finditer(a), _NUMBER.finditer(b)):
+            unit = 10.0 ** (-len(x.group(1)) + int(x.group(2) or 0))
+            if abs(float(x.group(0)) - float(y.group(0))) > unit * 1.01:
+                problems.append(f"{key}: README {a!r} vs suite {b!r}")
+                break
+    return problems
+
+
+def test_readme_parity_table_is_what_the_suite_prints(parity_run):
+    """README.md's table (written by benchmarks/parity_table.py from --json) against this run."""
+    _, out, _ = parity_run
+    rows = json.loads(out.read_text())
+    text = (ROOT / "README.md").read_text()
+    start, end = find_markdown_table(text)
+    problems = table_mismatches(text[start:end], rows)
+    assert not problems, "README parity table is stale (python benchmarks/parity_table.py parity.json " \
+                         "--readme README.md):\n" + "\n".join(problems)
+
+
+def _library_objective(forward_logits, rollouts, cfg):
+    """The same step through the package's own loss path (ppo_token_losses, kl_penalty and ONE
+    local-form ``aggregate`` call): the form the parity reference used to share with the layouts."""
+    import torch
+
+    from megatron_pg_agg.aggregation import aggregate
+    from megatron_pg_agg.losses import kl_penalty, ppo_token_losses
+
+    first_seen = {}
+    for r in rollouts:
+        first_seen.setdefault(r.group_id, len(first_seen))
+    order = sorted(range(len(rollouts)), key=lambda i: (first_seen[rollouts[i].group_id], i))
+    group_sizes = []
+    for k, i in enumerate(order):
+        if k and rollouts[i].group_id == rollouts[order[k - 1]].group_id:
+            group_sizes[-1] += 1
+        else:
+            group_sizes.append(1)
+    width = max(len(r.response_ids) for r in rollouts)
+    num = torch.zeros(len(rollouts), width, dtype=torch.bool)
+    den = torch.zeros(len(rollouts), width, dtype=torch.bool)
+    pg_rows, kl_rows, ent_rows = [], [], []
+    for row, i in enumerate(order):
+        r = rollouts[i]
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        logp_all = torch.log_softmax(forward_logits(list(r.prompt_ids) + list(r.response_ids))[p - 1:p + n - 1], -1)
+        logp = logp_all.gather(-1, torch.tensor(list(r.response_ids))[:, None])[:, 0]
+        d = torch.tensor(list(r.loss_mask), dtype=torch.bool)
+        nm = d & torch.tensor(list(r.numerator_mask), dtype=torch.bool)
+        pad = (0, width - n)
+        pg, _, _ = ppo_token_losses(logp, torch.where(d, torch.tensor(r.old_logprobs), 0.0),
+                                    torch.where(d, torch.tensor(r.advantages), 0.0), cfg)
+        pg_rows.append(torch.nn.functional.pad(pg, pad))
+        kl = kl_penalty(logp, torch.where(d, torch.tensor(r.ref_logprobs), 0.0), cfg.kl_estimator)
+        kl_rows.append(torch.nn.functional.pad(kl, pad))
+        ent_rows.append(torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), pad))
+        num[row, :n], den[row, :n] = nm, d
+    j_pg, weight = aggregate(torch.stack(pg_rows), num, denominator_mask=den, mode=cfg.canonical_mode,
+                             divisor=cfg.divisor, group_sizes=group_sizes)
+    valid = int(den.sum())
+    if int(weight) == 0:
+        return j_pg
+    return (j_pg + cfg.kl_coef * torch.where(den, torch.stack(kl_rows), 0.0).sum() / valid
+            - cfg.entropy_coef * torch.where(den, torch.stack(ent_rows), 0.0).sum() / valid)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_independent_reference_agrees_with_the_library_without_a_model(mode):
+    """Host only: ``parity.step_objective`` (float64 Python sums from the README) and the
+    package's loss path give the same objective and gradient on the parity step, with logits from
+    a fixed random table instead of a model (dual clip, KL, entropy, a response with no valid
+    token and filtered tokens all in play); and both give J = 0 with zero gradient when W = 0."""
+    import dataclasses
+
+    import torch
+
+    from megatron_pg_agg.parity import VOCAB, step_objective
+
+    rollouts = parity_rollouts()
+    cfg = loss_config(mode)
+    table = (torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3)) * 2).requires_grad_(True)
+
+    def forward_logits(ids):
+        return table[torch.tensor(ids)]
+
+    ours, weight = step_objective(forward_logits, rollouts, cfg)
+    (g_ours,) = torch.autograd.grad(ours, table)
+    lib = _library_objective(forward_logits, rollouts, cfg)
+    (g_lib,) = torch.autograd.grad(lib, table)
+    assert weight > 0
+    assert abs(float(ours) - float(lib)) <= 1e-6 * abs(float(ours)), (float(ours), float(lib))
+    assert float((g_ours - g_lib).abs().max()) <= 1e-5 * float(g_ours.abs().max())
+    empty = [dataclasses.replace(r, loss_mask=[0] * len(r.loss_mask), numerator_mask=[0] * len(r.loss_mask))
+             for r in rollouts]
+    zero, w0 = step_objective(forward_logits, empty, cfg)
+    assert w0 == 0 and float(zero) == 0.0 and not zero.requires_grad

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_pg_agg.losses import PGLossConfig, pg_loss_sum, vocab_parallel_logprobs
-from megatron_pg_agg.planner import PlanConfig, PlanError, Rollout, plan_step
+from megatron_pg_agg.planner import PlanConfig, plan_step
+from megatron_pg_agg.rollouts import PlanError, Rollout
 
 from reference import reference_objective
 from rollouts import VOCAB, fixed_step

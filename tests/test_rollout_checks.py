@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_pg_agg.losses import PGLossConfig
-from megatron_pg_agg.planner import PlanConfig, PlanError, plan_step
+from megatron_pg_agg.planner import PlanConfig, plan_step
+from megatron_pg_agg.rollouts import PlanError
 from megatron_pg_agg.rollouts import RolloutBatch, check_rollout
 from megatron_pg_agg.trainer import synthetic_rollouts
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pg_agg.losses import PGLossConfig
-from megatron_pg_agg.planner import PlanConfig, Rollout, plan_step
+from megatron_pg_agg.planner import PlanConfig, plan_step
+from megatron_pg_agg.rollouts import Rollout
 from megatron_pg_agg.rollout_io import RolloutFormatError, load_rollouts, write_rollouts
 
 from rollouts import VOCAB, fixed_step

@@ -7,6 +7,7 @@ import pytest
 from launching import ROOT, child_env, finish, free_port, run, start, torchrun
 
 TRAIN = ROOT / "launch" / "train_actor.py"
+REFERENCE = ROOT / "tests" / "dist" / "trainer_reference.py"
 MULTINODE = ROOT / "launch" / "multinode.sh"
 FIELDS = ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
 
@@ -17,8 +18,10 @@ def _records(path):
 
 
 def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    rc, out, elapsed = run(torchrun(2, TRAIN, "--metrics-file", metrics), 300, "main job")
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    # --save only adds checkpoints (at 10 and 20): the training is the main job's
+    rc, out, elapsed = run(torchrun(2, TRAIN, "--metrics-file", metrics, "--save", ckpt, "--save-interval", 10),
+                           300, "main job")
     assert rc == 0, out[-20000:]
     progress = [line for line in out.splitlines() if line.startswith("[train] [")]
     assert len(progress) == 20, out[-5000:]
@@ -31,10 +34,23 @@ def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
         assert r["weight"] > 0 and 0 <= r["clip_fraction"] <= 1 and r["entropy"] > 0
         assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and not r["skipped"]
     assert len(final) == 1 and final[0]["iteration"] == 20
-    # the actor learns: the first rollout step's objective drops between its first and last visit
-    first = [r["objective"] for r in steps if r["rollout_step"] == 0]
-    assert first[-1] < first[0]
-    print(f"main job: {elapsed:.1f}s")
+    # Iteration 11 against an independent computation from the weights the job saved after
+    # iteration 10: one process, every response forwarded alone, the objective in float64 from the
+    # README's formulas (parity.step_objective), its gradient by autograd. The logged objective
+    # and the pre-clip gradient norm must agree: a doubled (or halved) loss, a wrong mode or a
+    # gradient off by any factor cannot.
+    ref_out = tmp_path / "reference.json"
+    rc, log, _ = run([sys.executable, str(REFERENCE), str(ckpt / "iter_0000010" / "rank_00000.pt"),
+                      str(steps[10]["rollout_step"]), str(ref_out), "--"], 300, "trainer reference", env=child_env())
+    assert rc == 0, log[-10000:]
+    ref = json.loads(ref_out.read_text())
+    got = steps[10]
+    assert ref["iteration"] == 10 and got["iteration"] == 11
+    assert got["weight"] == ref["weight"]
+    obj_err = abs(got["objective"] - ref["objective"]) / abs(ref["objective"])
+    norm_err = abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+    assert obj_err <= 2e-6 and norm_err <= 1e-5, (obj_err, norm_err, got, ref)  # float32 sums vs float64
+    print(f"main job: {elapsed:.1f}s; iteration 11 vs reference: objective {obj_err:.1e}, grad_norm {norm_err:.1e}")
 
 
 @pytest.mark.parametrize("argv,env,words", [
@@ -45,7 +61,11 @@ def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
       "--batch-p2p-comm"], {"WORLD_SIZE": "2"}, ["interleaved", "--batch-p2p-comm"]),
     (["--no-calculate-per-token-loss"], {}, ["calculate_per_token_loss"]),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"}, ["Transformer Engine"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     ["--sequence-parallel needs Transformer Engine", "run on a GPU"]),
+    (["--context-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     ["--context-parallel-size > 1 needs Transformer Engine's THD attention (GPU)"]),
+    (["--bf16"], {}, ["--bf16 needs CUDA", "run fp32 on CPU"]),
     (["--rollouts", "/nonexistent/steps.jsonl"], {}, ["no such file"]),
 ])
 def test_invalid_runs_are_refused_before_any_process_group(argv, env, words):

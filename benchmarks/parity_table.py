@@ -1,0 +1,35 @@
+"""The README's parity table from the parity suite's JSON rows.
+
+    python -m megatron_pg_agg.parity --json parity.json      # run the suite (both launches)
+    python benchmarks/parity_table.py parity.json             # print the markdown table
+    python benchmarks/parity_table.py parity.json --readme README.md   # replace the table there
+
+tests/test_parity.py checks that README.md's table matches the JSON of the suite it runs, to
+the printed precision.
+"""
+import argparse
+import json
+
+from megatron_pg_agg.parity import find_markdown_table, markdown_table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", help="rows written by python -m megatron_pg_agg.parity --json")
+    parser.add_argument("--readme", help="replace the parity table in this markdown file")
+    args = parser.parse_args()
+    with open(args.json) as f:
+        table = markdown_table(json.load(f))
+    if not args.readme:
+        print(table, end="")
+        return
+    with open(args.readme) as f:
+        text = f.read()
+    start, end = find_markdown_table(text)
+    with open(args.readme, "w") as f:
+        f.write(text[:start] + table + text[end:])
+    print(f"{args.readme}: parity table replaced ({table.count(chr(10)) - 2} rows)")
+
+
+if __name__ == "__main__":
+    main()
