@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+"""torch.distributed's environment: an in-process test that initialised a process group leaves
+them set (its port still bound), and a child must never inherit them."""
+
+
 def child_env(**extra) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    return {**inherited, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
 
 
 def start(cmd, *, env=None, cwd=ROOT) -> subprocess.Popen:

@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from megatron_pg_agg.parity import (DEFAULT_LAYOUTS, GRAD_RTOL, MODES, OBJECTIVE
                                     loss_config, markdown_table, parity_rollouts)
 from megatron_pg_agg.planner import PlanConfig, plan_step
 
-ROOT = Path(__file__).resolve().parents[1]
+from launching import ROOT, child_env
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def parity_run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_pg_agg.parity", "--json", str(out), "--plot", str(png),
          "--timeout", "600"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1300,
+        cwd=ROOT, capture_output=True, text=True, timeout=1300, env=child_env(),
     )
     return proc, out, png
 

@@ -1,11 +1,10 @@
 """Start-up noise: exactly megatron-core's known CPU-fallback warnings are silenced (by message and
 category), the entry points say in one line which fallbacks are in use, and nothing else is hidden."""
-import os
 import subprocess
 import sys
 import warnings
 
-from launching import ROOT
+from launching import ROOT, child_env
 
 from megatron_pg_agg.worker_process import quiet_cpu_fallbacks
 
@@ -27,7 +26,8 @@ def test_only_the_known_fallback_warnings_are_silenced(capsys):
 def test_the_trainers_first_lines_are_useful():
     """A refused start imports megatron-core (the warnings fire) and prints its reason: no
     fallback warning appears, the one-line summary does, then the refusal."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env = child_env()
+    env.pop("PYTHONWARNINGS")  # every warning shows, as for a user
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--train-iters", "0"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
