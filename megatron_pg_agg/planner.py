@@ -478,6 +478,7 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
             seq_pad[-1] += extra
             cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
             w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(extra), w.count.new_zeros(extra), w.mode)])
+        cu_padded = torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32)
         microbatches[rank][mb] = Microbatch(
             tokens=cut["tokens"].unsqueeze(0),
             labels=cut["labels"].unsqueeze(0),
@@ -489,10 +490,10 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
             ref_logprobs=cut["ref_logprobs"],
             weights=w,
             cu_seqlens=torch.tensor([0, *running_sums(seq_real_all[here])], dtype=torch.int32),
-            cu_seqlens_padded=torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32),
+            cu_seqlens_padded=cu_padded,
             max_seqlen=max(seq_pad),
             sequence_ids=originals_all[here],
-            cu_seqlens_local=torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32) // cp,
+            cu_seqlens_local=cu_padded // cp,
             seq_numerator_tokens=torch.tensor(seq_num_all[here], dtype=torch.float32),
             pg_weights=cut.get("pg_weights"),
             correction_report=report,
