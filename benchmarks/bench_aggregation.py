@@ -19,10 +19,10 @@ import time
 import torch
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
+from megatron_pg_agg.modes import MODES
 
 from _peak import extra_peak_bytes, in_child
 
-MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 DIVISOR = 2048.0
 GROUP = 8
 

@@ -19,9 +19,9 @@ import json
 
 import torch
 
-from _peak import extra_peak_bytes, in_child
+from megatron_pg_agg.modes import MODES
 
-MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
+from _peak import extra_peak_bytes, in_child
 
 
 def _inputs(tokens: int, mode: str):

@@ -26,7 +26,6 @@ import time
 from collections import Counter
 from functools import partial
 
-MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
                "all_gather_object", "broadcast_object_list")
@@ -74,7 +73,9 @@ def worker(args) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron_pg_agg.losses import PGLossConfig
     from megatron_pg_agg.megatron_loss import packed_seq_params, pg_loss_func, run_schedule
-    from megatron_pg_agg.model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp
+    from megatron_pg_agg.modes import MODES
+    from megatron_pg_agg.model import build_model_chunks, default_ddp_config, wrap_in_ddp
+    from megatron_pg_agg.parity.models import tiny_transformer_config
     from megatron_pg_agg.parallel import init_distributed, init_parallel
     from megatron_pg_agg.planner import PlanConfig, plan_step
     from megatron_pg_agg.trainer import synthetic_rollouts

@@ -25,7 +25,7 @@ import traceback
 
 import torch
 
-MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
+from megatron_pg_agg.modes import MODES
 
 
 def _packed_step(tokens: int, device, seed: int = 0):
@@ -157,7 +157,7 @@ def check_te_attention(report: dict) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_pg_agg.model import tiny_transformer_config
+    from megatron_pg_agg.parity.models import tiny_transformer_config
     from megatron_pg_agg.parallel import init_distributed, init_parallel
     from megatron_pg_agg.thd_attention import ThdDotProductAttention
 

@@ -18,7 +18,7 @@ GroupSizes = Union[Sequence[int], torch.Tensor, None]
 
 
 @dataclass
-class Layout:
+class TokenLayout:
     """The token layout of one call, flattened to packed form.
 
     A padded ``[B, S]`` input is treated as B packed sequences of length S each.
@@ -145,7 +145,7 @@ def build_layout(
     denominator_mask: Optional[torch.Tensor],
     validate: Optional[bool],
     loss: Optional[torch.Tensor] = None,
-) -> Layout:
+) -> TokenLayout:
     """Check every argument (see the module docstring for which checks run where)."""
     from .modes import PROMPT_MEAN, TOKEN_MEAN
 
@@ -199,4 +199,4 @@ def build_layout(
             "mode='prompt_mean' needs group_sizes: the number of consecutive sequences in each "
             "prompt group, e.g. group_sizes=[8, 8, 5]"
         )
-    return Layout(shape, n.reshape(-1), d.reshape(-1), cu, groups)
+    return TokenLayout(shape, n.reshape(-1), d.reshape(-1), cu, groups)

@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from ._inputs import GroupSizes, Layout, build_layout, check_loss, should_validate, _as_bool_mask
+from ._inputs import GroupSizes, TokenLayout, build_layout, check_loss, should_validate, _as_bool_mask
 from .modes import CONSTANT, PROMPT_MEAN, SEQ_MEAN, TOKEN_MEAN, resolve_mode
 from .segments import exclusive_cumsum, segment_ids
 
@@ -97,7 +97,7 @@ def _prefix_counts(d: torch.Tensor) -> torch.Tensor:
     return exclusive_cumsum(d, torch.int32)
 
 
-def _group_bounds(layout: Layout) -> torch.Tensor:
+def _group_bounds(layout: TokenLayout) -> torch.Tensor:
     """int64 ``[G+1]``: sequence index where each prompt group starts (and the end)."""
     return exclusive_cumsum(layout.group_sizes)
 
@@ -121,7 +121,7 @@ def _unit_coef_and_first(d: torch.Tensor, prefix: torch.Tensor, unit_cu: torch.T
     return inv[unit_of_token], first
 
 
-def _weights_from_layout(layout: Layout, mode: str, divisor: Optional[float]) -> TokenWeights:
+def _weights_from_layout(layout: TokenLayout, mode: str, divisor: Optional[float]) -> TokenWeights:
     n, d = layout.numerator, layout.denominator
     zero = torch.zeros((), dtype=torch.float32, device=n.device)
     if mode == TOKEN_MEAN:
@@ -248,7 +248,7 @@ def aggregate(
     return _local_unit_mean(loss.reshape(-1), layout, mode, divisor)
 
 
-def _local_unit_mean(loss: torch.Tensor, layout: Layout, mode: str, divisor: Optional[float]):
+def _local_unit_mean(loss: torch.Tensor, layout: TokenLayout, mode: str, divisor: Optional[float]):
     """seq_mean / prompt_mean / constant on whole units: per-unit numerator sums by
     ``segment_reduce`` over the boundaries (one pass, backward is a broadcast; ``unsafe=True``
     skips its lengths-sum check, which would be a device->host sync: the layout was checked on

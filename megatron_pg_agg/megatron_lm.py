@@ -217,22 +217,24 @@ class RolloutFeed:
             iteration += 1
 
 
-def load_steps(args) -> dict:
-    """``{step: RolloutBatch}`` from ``--pg-rollouts`` (format errors: StartupError) or the built-in
-    synthetic set (vocabulary ``--vocab-size``, seeded by ``--seed``)."""
+def load_steps(data, loss_cfg, *, vocab_size: Optional[int], seed: int) -> dict:
+    """``{step: RolloutBatch}`` from ``data.rollouts`` (``--pg-rollouts``; format errors:
+    StartupError) or the built-in synthetic set (vocabulary ``--vocab-size``, seeded by ``--seed``).
+    ``data``: :class:`~megatron_pg_agg.run_config.DataConfig`; ``loss_cfg``: the run's
+    ``PGLossConfig`` (a KL penalty makes reference log-probs mandatory)."""
     from .rollouts import PlanError, RolloutBatch
 
-    if args.pg_rollouts is None:
+    if data.rollouts is None:
         from .trainer import synthetic_rollouts
 
-        if args.vocab_size is None:
+        if vocab_size is None:
             raise StartupError("the built-in synthetic rollouts need --vocab-size (or pass --pg-rollouts FILE)")
-        steps = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)
+        steps = synthetic_rollouts(vocab_size=vocab_size, seed=seed)
     else:
         from .rollout_io import RolloutFormatError, load_rollouts
 
         try:
-            steps = load_rollouts(args.pg_rollouts, require_ref=args.pg_kl_coef > 0)
+            steps = load_rollouts(data.rollouts, require_ref=loss_cfg.needs_reference)
         except RolloutFormatError as err:
             raise StartupError(str(err)) from err
     try:
@@ -250,10 +252,9 @@ class Actor:
     Built on every rank before ``pretrain()``; the data feed is built when Megatron-LM asks for
     data (after the model, the optimizer and ``--load``), so it starts at the loaded iteration."""
 
-    def __init__(self, args, steps: dict, *, cuda: bool):
-        from .args import config_from_args
-
-        self.loss_cfg = config_from_args(args)
+    def __init__(self, args, steps: dict, *, cuda: bool, loss_cfg):
+        self.loss_cfg = loss_cfg
+        """The run's ``PGLossConfig`` (built once in :func:`run`)."""
         self.steps, self.cuda = steps, cuda
         self.feed: Optional[RolloutFeed] = None
         self.metrics_path = args.pg_metrics_file
@@ -446,10 +447,15 @@ def run(argv: list) -> int:
         raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
     if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
         apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
-    steps = load_steps(args)  # format errors before any process group
+    from .args import config_from_args
+    from .run_config import DataConfig
+
+    # the loss and data configs as launch/train_actor.py builds them (the parser checked the loss)
+    loss_cfg, data = config_from_args(args), DataConfig.from_megatron_lm_args(args)
+    steps = load_steps(data, loss_cfg, vocab_size=args.vocab_size, seed=args.seed)  # before any process group
     if args.dataloader_type is None:
         _say("--dataloader-type external (set: the planner feeds the microbatches)")
-    actor = Actor(args, steps, cuda=cuda)
+    actor = Actor(args, steps, cuda=cuda, loss_cfg=loss_cfg)
     from megatron_pg_agg.patches import megatron_lm_log
 
     megatron_lm_log.add_observer(actor.on_training_log)

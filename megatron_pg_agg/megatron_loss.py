@@ -178,16 +178,18 @@ def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=No
     return forward_step
 
 
-def run_schedule(model: list, microbatches: list, forward_step, *, forward_only: bool = False):
+def run_schedule(model: list, microbatches: list, forward_step, *, forward_only: bool = False,
+                 seq_length: Optional[int] = None):
     """megatron-core's forward-backward schedule over this rank's planned microbatches (one data
     iterator per model chunk with virtual pipeline stages); returns the loss reports of the last
-    stage. The one place the project calls ``get_forward_backward_func()``."""
+    stage. ``seq_length`` (the pipeline's p2p buffer length) defaults to the longest
+    :class:`Microbatch`. The one place the project calls ``get_forward_backward_func()``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches),
         model=model, num_microbatches=len(microbatches),
-        seq_length=max(mb.num_tokens for mb in microbatches),
+        seq_length=seq_length if seq_length is not None else max(mb.num_tokens for mb in microbatches),
         micro_batch_size=1, forward_only=forward_only,
     )

@@ -1,16 +1,17 @@
-"""Tiny megatron-core GPT models for CPU tests, workers and parity checks.
+"""Megatron-core GPT models for the trainer, the workers and the parity checks.
 
 WHY
     The aggregation is only proven exact if the real megatron-core pieces run: GPTModel,
     tensor-parallel layers, the pipeline schedules, DDP and ``finalize_model_grads``. These
     helpers build them one way everywhere (tests, ``tests/dist`` workers, benchmarks):
 
-    * :func:`tiny_transformer_config`: a ``TransformerConfig`` that runs on CPU (fp32, no
-      dropout, CPU initialisation, every CUDA fusion off) with ``calculate_per_token_loss=True``.
+    * :func:`transformer_config`: a ``TransformerConfig`` with ``calculate_per_token_loss=True``
+      whose fusions follow the device (:func:`device_settings`: off on CPU, Megatron-LM's
+      defaults on CUDA).
     * :func:`gpt_layer_spec`: TE's layer spec on a CUDA machine with Transformer Engine,
       otherwise the local spec with :class:`~megatron_pg_agg.thd_attention.ThdDotProductAttention`
       as core attention (packed THD batches need it: the local attention rejects them).
-    * :func:`build_tiny_gpt` / :func:`build_model_chunks` / :func:`wrap_in_ddp`.
+    * :func:`build_gpt` / :func:`build_model_chunks` / :func:`wrap_in_ddp`.
 
     On CPU apply the ``cpu_gloo`` patch first (``megatron_pg_agg.patches``).
 """
@@ -32,59 +33,81 @@ from .thd_attention import ThdDotProductAttention
 
 __all__ = [
     "build_model_chunks",
-    "build_tiny_gpt",
+    "build_gpt",
     "default_ddp_config",
     "gpt_layer_spec",
+    "device_settings",
     "te_usable",
-    "tiny_transformer_config",
+    "transformer_config",
     "wrap_in_ddp",
 ]
 
-_TINY_DEFAULTS = dict(
-    num_layers=4,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    # CPU: fp32 everywhere, deterministic (no dropout), weights built on the CPU.
-    params_dtype=torch.float32,
-    pipeline_dtype=torch.float32,
+# What every model built here needs, on any device.
+_CONTRACT = dict(
+    # the exact aggregation needs the 3-tuple loss contract
+    calculate_per_token_loss=True,
+    # RL ratios compare the trainer's log-probs with the rollout's: the same network both times
     hidden_dropout=0.0,
     attention_dropout=0.0,
+    # Packed micro-batches of different lengths need variable_seq_lengths=True (p2p exchanges
+    # shapes first); callers turn it on under PP. The dispatcher setting is unused by a dense
+    # model, but TransformerConfig rejects the default "allgather" together with
+    # variable_seq_lengths=True even without experts.
+    variable_seq_lengths=False,
+    moe_token_dispatcher_type="alltoall",
+    # the same as megatron-core's default "full", without the deprecation warning that default
+    # itself raises in 0.16 (no CUDA graphs are captured either way)
+    cuda_graph_scope=[],
+)
+
+# CPU (gloo): fp32, weights built on the CPU, every fused kernel off (they are CUDA-only or need
+# TE/apex), and no batched p2p (gloo mismatches batched isend/irecv with interleaved pipelines,
+# and the sync after it is a torch.cuda.synchronize; see patches/cpu_gloo.py).
+_CPU = dict(
+    params_dtype=torch.float32,
+    pipeline_dtype=torch.float32,
     use_cpu_initialization=True,
-    # fused kernels are CUDA-only (or need TE/apex)
     gradient_accumulation_fusion=False,
     masked_softmax_fusion=False,
     bias_activation_fusion=False,
     bias_dropout_fusion=False,
     apply_rope_fusion=False,
     persist_layer_norm=False,
-    # the exact aggregation needs the 3-tuple loss contract
-    calculate_per_token_loss=True,
-    # Packed micro-batches of different lengths need variable_seq_lengths=True (p2p exchanges
-    # shapes first). Off by default: the interleaved schedule deadlocks with it on gloo (see
-    # patches/cpu_gloo.py); pad packs to one length there. The dispatcher setting is unused
-    # by a dense model, but TransformerConfig rejects the default "allgather" together with
-    # variable_seq_lengths=True even without experts.
-    variable_seq_lengths=False,
-    moe_token_dispatcher_type="alltoall",
-    # gloo: batched isend/irecv mismatches messages with interleaved pipelines (wrong grads), and
-    # the sync after it is a torch.cuda.synchronize
     batch_p2p_comm=False,
     batch_p2p_sync=False,
-    # the same as megatron-core's default "full", without the deprecation warning that default
-    # itself raises in 0.16 (no CUDA graphs are captured either way)
-    cuda_graph_scope=[],
 )
 
 
-def tiny_transformer_config(**overrides) -> TransformerConfig:
-    """A CPU-friendly ``TransformerConfig`` (see ``_TINY_DEFAULTS``); ``overrides`` win.
+def device_settings(cuda: Optional[bool] = None, te: Optional[bool] = None) -> dict:
+    """``TransformerConfig`` fields that follow the device. CPU: :data:`_CPU` (fused kernels off).
+    CUDA: Megatron-LM's training defaults: the JIT/torch fusions (bias+activation,
+    bias+dropout, masked softmax) on, and the fusions that need Transformer Engine's kernels
+    (RoPE, weight-gradient accumulation into ``main_grad``, persistent layer norm) on when TE is
+    usable."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return dict(_CPU)
+    te = te_usable() if te is None else te
+    return dict(
+        masked_softmax_fusion=True,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        apply_rope_fusion=te,
+        gradient_accumulation_fusion=te,
+        persist_layer_norm=te,
+    )
 
-    Pass the parallel sizes here (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``virtual_pipeline_model_parallel_size``, ``context_parallel_size``; or
-    ``**Layout.config_kwargs()``); they must match ``parallel_state``.
+
+def transformer_config(**overrides) -> TransformerConfig:
+    """A ``TransformerConfig`` with the loss contract (:data:`_CONTRACT`) and the settings of the
+    device it runs on (:func:`device_settings`); ``overrides`` win.
+
+    Pass the sizes and the parallel sizes here (``tensor_model_parallel_size``,
+    ``pipeline_model_parallel_size``, ``virtual_pipeline_model_parallel_size``,
+    ``context_parallel_size``); they must match ``parallel_state``. The tiny models of the parity
+    harness and the tests are ``megatron_pg_agg.parity.models.tiny_transformer_config``.
     """
-    return TransformerConfig(**{**_TINY_DEFAULTS, **overrides})
+    return TransformerConfig(**{**_CONTRACT, **device_settings(), **overrides})
 
 
 def te_usable() -> bool:
@@ -115,7 +138,7 @@ def gpt_layer_spec(use_te: Optional[bool] = None, num_experts: Optional[int] = N
     return spec
 
 
-def build_tiny_gpt(
+def build_gpt(
     config: TransformerConfig,
     vocab_size: int,
     max_seq_len: int,
@@ -157,7 +180,7 @@ def build_model_chunks(
         )
     stages = [None] if vpp is None else list(range(vpp))
     return [
-        build_tiny_gpt(
+        build_gpt(
             config,
             vocab_size,
             max_seq_len,
@@ -196,30 +219,3 @@ def wrap_in_ddp(
         )
         for i, chunk in enumerate(chunks)
     ]
-
-
-class PerTokenLM(torch.nn.Module):
-    """A language model with no cross-token interaction: logits_t depend on token_t only.
-
-    It stands in for GPTModel where attention would need Transformer Engine (context parallelism
-    on CPU): with a per-token model, a CP shard of a sequence is computed exactly as in the whole
-    sequence, so a CP run isolates what the loss side does with sharded tokens (weights, counts,
-    the DP x CP reductions). Same call signature as GPTModel; logits ``[1, T, V]`` (TP = 1).
-    """
-
-    def __init__(self, config: TransformerConfig, vocab_size: int, hidden_size: int = 32):
-        from megatron.core.enums import ModelType
-
-        super().__init__()
-        self.config = config
-        self.model_type = ModelType.encoder_or_decoder
-        self.embedding = torch.nn.Embedding(vocab_size, hidden_size)
-        self.mix = torch.nn.Linear(hidden_size, hidden_size)
-        self.output_layer = torch.nn.Linear(hidden_size, vocab_size)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        """Pipeline hook; this model only runs with PP = 1."""
-
-    def forward(self, input_ids, position_ids=None, attention_mask=None, packed_seq_params=None, **_):
-        hidden = torch.tanh(self.mix(self.embedding(input_ids)))
-        return self.output_layer(hidden)

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
 
-__all__ = ["Layout", "free_port", "init_distributed", "init_parallel", "teardown_parallel"]
+__all__ = ["ParallelSizes", "free_port", "init_distributed", "init_parallel", "teardown_parallel"]
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A parallel layout; ``dp`` is derived from the world size."""
+class ParallelSizes:
+    """The parallel sizes of a run (tensor, pipeline, virtual pipeline, context, data); ``dp`` is
+    derived from the world size."""
 
     tp: int = 1
     pp: int = 1
@@ -81,7 +82,7 @@ def init_distributed(
 def init_parallel(
     tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1, *, seed: int = 1234, ep: int = 1,
     timeout_minutes: Optional[float] = None,
-) -> Layout:
+) -> ParallelSizes:
     """(Re)initialise megatron's model-parallel state for one layout and seed its RNG tracker.
 
     ``torch.distributed`` must be initialised (see :func:`init_distributed`); the data-parallel
@@ -107,7 +108,7 @@ def init_parallel(
         **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=world // (tp * pp * cp))
+    return ParallelSizes(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=world // (tp * pp * cp))
 
 
 def teardown_parallel() -> None:

@@ -63,12 +63,10 @@ import difflib
 import json
 import math
 import os
-import secrets
 from collections.abc import Sequence
 from typing import Callable, NoReturn, Optional, Union
 
-
-
+from .atomic_files import atomic_write
 from .rollouts import Rollout
 from .rollouts import LOGPROB_TOLERANCE
 
@@ -435,18 +433,6 @@ def _checked_lines(path, steps: dict):
             yield _ENCODER.encode(record)
 
 
-def _open_temp_beside(path: str):
-    """A new file in ``path``'s directory (so os.replace is atomic), created with the usual
-    umask-derived permissions (mkstemp's 0600 would leak into the final file)."""
-    directory, name = os.path.split(os.path.abspath(path))
-    while True:
-        temp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return temp, os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue
-
-
 def write_rollouts(path: PathLike, steps: dict) -> PathLike:
     """Write ``{step: [Rollout, ...]}`` as a rollout file, atomically; returns ``path``.
 
@@ -460,34 +446,11 @@ def write_rollouts(path: PathLike, steps: dict) -> PathLike:
     plain lists, numbers as floats, non-finite values at masked positions as 0.0).
     """
     lines = _checked_lines(path, steps)
-    temp, fd = _open_temp_beside(os.fspath(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for line in lines:
-                f.write(line)
-                f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+    def write(f) -> None:
+        for line in lines:
+            f.write(line)
+            f.write("\n")
+
+    atomic_write(path, write, text=True)
     return path
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable (POSIX); platforms that cannot open a directory skip it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

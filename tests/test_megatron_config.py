@@ -3,7 +3,8 @@ import pytest
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
 from megatron_pg_agg.megatron_loss import MegatronConfigError, check_megatron_config
-from megatron_pg_agg.model import default_ddp_config, tiny_transformer_config
+from megatron_pg_agg.model import default_ddp_config
+from megatron_pg_agg.parity.models import tiny_transformer_config
 
 
 def _good(**overrides):

@@ -128,7 +128,7 @@ def clean():
 def _moe_config(**overrides):
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_pg_agg.model import tiny_transformer_config
+    from megatron_pg_agg.parity.models import tiny_transformer_config
 
     kwargs = dict(num_layers=2, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
                   add_bias_linear=False)
@@ -260,10 +260,11 @@ def test_trainer_trains_a_moe_actor_and_logs_router_losses_as_pairs(tmp_path):
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], ["not divisible by EP x TP"]),
 ])
 def test_trainer_refuses_bad_moe_flags_before_starting(argv, words):
-    from megatron_pg_agg.trainer import StartupError, build_parser, validate_startup
+    from megatron_pg_agg.run_config import RunConfig
+    from megatron_pg_agg.trainer import StartupError, build_parser
 
-    args = build_parser().parse_args(argv)
+    cfg = RunConfig.from_args(build_parser().parse_args(argv))
     with pytest.raises(StartupError) as err:
-        validate_startup(args, 2, backend="gloo", te=False)
+        cfg.validate(2, backend="gloo", te=False)
     for word in words:
         assert word in str(err.value)

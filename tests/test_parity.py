@@ -1,9 +1,10 @@
 """The parity suite: the real megatron-core schedules, DDP and finalize_model_grads under several
-layouts (torchrun, gloo, CPU) against a single-process reference, for every mode.
+layouts (torchrun, gloo, CPU) against a single-process reference, for every mode and policy loss.
 
 One run of the parity command (two torchrun launches: 2 and 4 ranks) covers DP=2, TP=2, PP=2
 (1F1B), PP=2 interleaved, 1/3/8 microbatches, DP=2 x PP=2, TP=2 x PP=2, TP=2 x DP=2, CP=2 x DP=2
-(per-token model), the MoE layouts and three negative controls that must FAIL parity. The
+(per-token model), the MoE layouts, each with ppo, gspo, gmpo and cispo, and four negative controls
+that must FAIL parity (one: GSPO's sequence statistic without the CP all-reduce). The
 reference (``parity.step_objective``) shares no code with the package's loss or aggregation, so a
 bug common to the library's two forms fails every row. The README's table must be what this run
 prints (benchmarks/parity_table.py writes it).
@@ -15,8 +16,8 @@ import sys
 
 import pytest
 
-from megatron_pg_agg.parity import (DEFAULT_LAYOUTS, GRAD_RTOL, MODES, OBJECTIVE_RTOL, find_markdown_table,
-                                    loss_config, markdown_table, parity_rollouts)
+from megatron_pg_agg.parity import (DEFAULT_CASES, GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES,
+                                    find_markdown_table, loss_config, markdown_table, parity_rollouts)
 from megatron_pg_agg.planner import PlanConfig, plan_step
 
 from launching import ROOT, child_env
@@ -39,8 +40,9 @@ def test_every_layout_and_mode_matches_the_reference(parity_run):
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-20000:]
     rows = json.loads(out.read_text())
     checked = [r for r in rows if not r["layout"].startswith("single") and not r["expect_fail"]]
-    expected = {(lay.name, m) for lay in DEFAULT_LAYOUTS if not lay.expect_fail for m in MODES}
-    assert {(r["layout"], r["mode"]) for r in checked} == expected
+    expected = {(case.name, p, m) for case in DEFAULT_CASES if not case.expect_fail
+                for p in POLICY_LOSSES for m in MODES}
+    assert {(r["layout"], r["policy_loss"], r["mode"]) for r in checked} == expected
     for r in checked:
         assert r["objective_rel_err"] <= OBJECTIVE_RTOL, r
         assert r["grad_max_rel_err"] <= GRAD_RTOL, r
@@ -50,12 +52,15 @@ def test_every_layout_and_mode_matches_the_reference(parity_run):
 
 
 def test_negative_controls_fail_parity(parity_run):
-    """Megatron's default averaging with unequal microbatches, and weights computed per
-    microbatch (prompt_mean across microbatches; seq_mean across CP shards) must be caught."""
+    """Megatron's default averaging with unequal microbatches, weights computed per microbatch
+    (prompt_mean across microbatches; seq_mean across CP shards) and GSPO's sequence ratio from
+    each CP rank's own tokens (no CP all-reduce) must be caught."""
     proc, out, _ = parity_run
     rows = json.loads(out.read_text())
     controls = [r for r in rows if r["expect_fail"]]
-    assert {r["layout"] for r in controls} == {lay.name for lay in DEFAULT_LAYOUTS if lay.expect_fail}
+    assert {(r["layout"], r["policy_loss"]) for r in controls} == {
+        (case.name, p) for case in DEFAULT_CASES if case.expect_fail for p in case.control_policy_losses}
+    assert ("gspo", 2) in {(r["policy_loss"], c.cp) for r in controls for c in DEFAULT_CASES if c.name == r["layout"]}
     for r in controls:
         assert r["grad_max_rel_err"] > 100 * GRAD_RTOL, r  # far outside the tolerance, not noise
         assert r["passed"]  # "passed" for a control means: parity failed, as it must
@@ -86,12 +91,13 @@ def test_the_parity_step_really_splits_groups_and_has_unequal_microbatches():
 
 
 def _cells(table: str) -> dict:
-    """{(layout, mode): cell text} of a markdown parity table (header and rule skipped)."""
+    """{(layout, policy loss, mode): cell text} of a markdown parity table (header and rule
+    skipped)."""
     out = {}
     for line in table.strip().splitlines()[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        for mode, cell in zip(MODES, cells[1:]):
-            out[(cells[0], mode)] = cell
+        for mode, cell in zip(MODES, cells[2:]):
+            out[(cells[0], cells[1], mode)] = cell
     return out
 
 
@@ -104,7 +110,8 @@ def table_mismatches(readme_table: str, rows) -> list:
     digit (so run-to-run noise at a rounding boundary passes, any real change does not)."""
     fresh = markdown_table(rows)
     problems = []
-    names = lambda table: [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]  # noqa: E731
+    names = lambda table: [tuple(c.strip() for c in line.split("|")[1:3])  # noqa: E731
+                           for line in table.strip().splitlines()[2:]]
     if names(readme_table) != names(fresh):
         problems.append(f"layouts differ: README {names(readme_table)} vs suite {names(fresh)}")
     want, got = _cells(readme_table), _cells(fresh)
@@ -133,12 +140,13 @@ def test_readme_parity_table_is_what_the_suite_prints(parity_run):
 
 
 def _library_objective(forward_logits, rollouts, cfg):
-    """The same step through the package's own loss path (ppo_token_losses, kl_penalty and ONE
-    local-form ``aggregate`` call): the form the parity reference used to share with the layouts."""
+    """The same step through the package's own loss path (policy_token_losses with a one-sequence
+    SequenceStatistic, kl_penalty and ONE local-form ``aggregate`` call): the form the parity
+    reference used to share with the layouts."""
     import torch
 
     from megatron_pg_agg.aggregation import aggregate
-    from megatron_pg_agg.losses import kl_penalty, ppo_token_losses
+    from megatron_pg_agg.losses import SequenceStatistic, kl_penalty, policy_token_losses
 
     first_seen = {}
     for r in rollouts:
@@ -162,8 +170,9 @@ def _library_objective(forward_logits, rollouts, cfg):
         d = torch.tensor(list(r.loss_mask), dtype=torch.bool)
         nm = d & torch.tensor(list(r.numerator_mask), dtype=torch.bool)
         pad = (0, width - n)
-        pg, _, _ = ppo_token_losses(logp, torch.where(d, torch.tensor(r.old_logprobs), 0.0),
-                                    torch.where(d, torch.tensor(r.advantages), 0.0), cfg)
+        sequence = SequenceStatistic(torch.tensor([0, n]), nm.sum().reshape(1).float(), n)
+        pg, _, _ = policy_token_losses(logp, torch.where(d, torch.tensor(r.old_logprobs), 0.0),
+                                       torch.where(d, torch.tensor(r.advantages), 0.0), nm, cfg, sequence)
         pg_rows.append(torch.nn.functional.pad(pg, pad))
         kl = kl_penalty(logp, torch.where(d, torch.tensor(r.ref_logprobs), 0.0), cfg.kl_estimator)
         kl_rows.append(torch.nn.functional.pad(kl, pad))
@@ -178,8 +187,9 @@ def _library_objective(forward_logits, rollouts, cfg):
             - cfg.entropy_coef * torch.where(den, torch.stack(ent_rows), 0.0).sum() / valid)
 
 
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("mode", MODES)
-def test_the_independent_reference_agrees_with_the_library_without_a_model(mode):
+def test_the_independent_reference_agrees_with_the_library_without_a_model(mode, policy_loss):
     """Host only: ``parity.step_objective`` (float64 Python sums from the README) and the
     package's loss path give the same objective and gradient on the parity step, with logits from
     a fixed random table instead of a model (dual clip, KL, entropy, a response with no valid
@@ -191,7 +201,7 @@ def test_the_independent_reference_agrees_with_the_library_without_a_model(mode)
     from megatron_pg_agg.parity import VOCAB, step_objective
 
     rollouts = parity_rollouts()
-    cfg = loss_config(mode)
+    cfg = loss_config(mode, policy_loss)
     table = (torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3)) * 2).requires_grad_(True)
 
     def forward_logits(ids):
@@ -208,3 +218,26 @@ def test_the_independent_reference_agrees_with_the_library_without_a_model(mode)
              for r in rollouts]
     zero, w0 = step_objective(forward_logits, empty, cfg)
     assert w0 == 0 and float(zero) == 0.0 and not zero.requires_grad
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy-losses", "ppo,grpo"], "'ppo,grpo': choose from ppo, gspo, gmpo, cispo"),
+    (["--modes", "seq_mean,mean"], "choose from token_mean, seq_mean, prompt_mean, constant"),
+    (["--layouts", "no such layout"], "no layout matches"),
+])
+def test_the_parity_command_refuses_bad_selections_before_launching(argv, message, capsys):
+    from megatron_pg_agg.parity import main
+
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_controls_run_only_where_they_must_change_the_result():
+    """The GSPO control runs gspo under seq_mean only; a layout runs every selected pair."""
+    control = next(c for c in DEFAULT_CASES if c.control == "no_cp_statistic_reduction")
+    assert control.cp == 2 and control.runs(MODES, POLICY_LOSSES) == [("gspo", "seq_mean")]
+    assert control.runs(["token_mean"], POLICY_LOSSES) == []
+    layout = next(c for c in DEFAULT_CASES if not c.expect_fail)
+    assert layout.runs(["seq_mean"], ["gmpo", "ppo"]) == [("gmpo", "seq_mean"), ("ppo", "seq_mean")]

@@ -13,10 +13,10 @@ import torch
 
 from megatron_pg_agg import token_weights
 from megatron_pg_agg.losses import PGLossConfig, SequenceStatistic, pg_loss_sum
+from megatron_pg_agg.modes import MODES
 from megatron_pg_agg.planner import PlanConfig, StepTotals, plan_step
 from megatron_pg_agg.rollouts import Rollout
 
-MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 POLICIES = ("ppo", "gspo", "gmpo", "cispo")
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -19,7 +19,8 @@ import torch
 from launching import ROOT, child_env, finish, kill_launch, run, start, torchrun
 from megatron_pg_agg.rollouts import Rollout
 from megatron_pg_agg.rollout_io import write_rollouts
-from megatron_pg_agg.trainer import StartupError, build_parser, synthetic_rollouts, validate_startup
+from megatron_pg_agg.run_config import RunConfig
+from megatron_pg_agg.trainer import StartupError, build_parser, synthetic_rollouts
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 TIMING = {"tokens_per_s", "step_s"}
@@ -74,13 +75,14 @@ def test_a_step_too_small_for_its_microbatches_is_refused(tmp_path):
 
 
 def test_megatron_core_outside_the_supported_range_is_refused(monkeypatch):
-    import megatron_pg_agg.trainer as trainer
+    import megatron_pg_agg.run_config as run_config
 
-    monkeypatch.setattr(trainer, "megatron_core_version", lambda: "0.17.0")
+    cfg = RunConfig.from_args(build_parser().parse_args([]))
+    monkeypatch.setattr(run_config, "megatron_core_version", lambda: "0.17.0")
     with pytest.raises(StartupError, match="megatron-core 0.17.0 is outside the supported range"):
-        validate_startup(build_parser().parse_args([]), 2, backend="gloo", te=False)
-    monkeypatch.setattr(trainer, "megatron_core_version", lambda: "0.16.1")
-    validate_startup(build_parser().parse_args([]), 2, backend="gloo", te=False)
+        cfg.validate(2, backend="gloo", te=False)
+    monkeypatch.setattr(run_config, "megatron_core_version", lambda: "0.16.1")
+    cfg.validate(2, backend="gloo", te=False)
 
 
 # ----------------------------------------------------------------------------- non-finite steps
@@ -261,29 +263,30 @@ def _assert_same_states(a_dir, b_dir, iteration, ranks):
 
 
 def test_resume_from_a_checkpoint_mid_cycle_restores_the_data_position(tmp_path):
-    """Deterministic (no kill): a run that exits cleanly at a checkpoint at iteration 3 (not a
-    multiple of the 4 rollout steps), resumed with --load to 5 iterations, must train rollout
-    steps 3 then 0 and match an uninterrupted 5-iteration run bit for bit. The 4 steps differ
-    visibly (their weights differ), so restarting the data at step 0 cannot pass."""
-    first, full = tmp_path / "first", tmp_path / "full"
-    rc, out, _ = _one_process(["--train-iters", 3, "--save", first, "--save-interval", 3])
+    """Deterministic (no kill): an uninterrupted 5-iteration run saves at iteration 3 (not a
+    multiple of the 4 rollout steps) and at 5; a second run resumes from a copy of the
+    iteration-3 checkpoint alone (--load) and must train rollout steps 3 then 0 and end bit for
+    bit where the uninterrupted run did. The 4 steps differ visibly (their weights differ), so
+    restarting the data at step 0 cannot pass."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    rc, out, _ = _one_process(["--train-iters", 5, "--save", full, "--save-interval", 3])
     assert rc == 0, out[-20000:]
-    assert open(first / "latest").read().strip() == "3"
-    rc, out, _ = _one_process(["--train-iters", 5, "--save", first, "--load", first])
+    resumed.mkdir()
+    shutil.copytree(full / "iter_0000003", resumed / "iter_0000003")
+    (resumed / "latest").write_text("3\n")
+    rc, out, _ = _one_process(["--train-iters", 5, "--save", resumed, "--load", resumed])
     assert rc == 0, out[-20000:]
     assert "start_iteration=3" in out
-    rc, out, _ = _one_process(["--train-iters", 5, "--save", full])
-    assert rc == 0, out[-20000:]
     a, a_final = _records(full / "metrics.jsonl")
-    b, b_final = _records(first / "metrics.jsonl")
+    b, b_final = _records(resumed / "metrics.jsonl")
     assert [r["rollout_step"] for r in a] == [0, 1, 2, 3, 0]
     assert len({r["weight"] for r in a[:4]}) == 4  # every rollout step is recognisable by its weight
-    assert [r["iteration"] for r in b] == [1, 2, 3, 4, 5]
-    assert [r["rollout_step"] for r in b[3:]] == [3, 0]
-    for x, y in zip(a, b):
+    assert [r["iteration"] for r in b] == [4, 5]
+    assert [r["rollout_step"] for r in b] == [3, 0]
+    for x, y in zip(a[3:], b):
         assert _same(x, y), (x, y)
     assert a_final[0]["param_checksum"] == b_final[-1]["param_checksum"]
-    _assert_same_states(full, first, 5, [0])
+    _assert_same_states(full, resumed, 5, [0])
 
 
 def test_a_killed_run_resumes_bit_for_bit_and_ignores_torn_saves(tmp_path):

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_pg_agg.model import build_tiny_gpt, gpt_layer_spec, tiny_transformer_config
+from megatron_pg_agg.model import build_gpt, gpt_layer_spec
+from megatron_pg_agg.parity.models import tiny_transformer_config
 from dist.thd_packing import next_token_targets, pack_sequences
 from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel
 from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patches
@@ -47,7 +48,7 @@ def _sequences(lengths=LENGTHS, seed=0):
 def _model(position="rope", **config_overrides):
     torch.manual_seed(1234)
     config = tiny_transformer_config(num_layers=2, **config_overrides)
-    return build_tiny_gpt(config, VOCAB, max_seq_len=64, pre_process=True, post_process=True,
+    return build_gpt(config, VOCAB, max_seq_len=64, pre_process=True, post_process=True,
                           position_embedding_type=position)
 
 

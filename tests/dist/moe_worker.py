@@ -40,7 +40,8 @@ from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
 from megatron_pg_agg.losses import PGLossConfig  # noqa: E402
 from megatron_pg_agg.megatron_loss import check_megatron_config, make_forward_step, run_schedule  # noqa: E402
-from megatron_pg_agg.model import build_model_chunks, default_ddp_config, tiny_transformer_config, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.model import build_model_chunks, default_ddp_config, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
 from megatron_pg_agg.moe import begin_moe_step, clear_moe_aux_loss_scale, router_loss_pairs  # noqa: E402
 from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 from megatron_pg_agg.parity import VOCAB, parity_rollouts  # noqa: E402

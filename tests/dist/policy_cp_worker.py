@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_pg_agg.losses import PGLossConfig
 from megatron_pg_agg.megatron_loss import pg_loss_func
-from megatron_pg_agg.model import PerTokenLM
+from megatron_pg_agg.parity.models import PerTokenLM
 from megatron_pg_agg.planner import PlanConfig, plan_step
 from megatron_pg_agg.rollouts import Rollout
 

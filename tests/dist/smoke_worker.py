@@ -2,7 +2,7 @@
 
 Run with ``torchrun --standalone --nproc_per_node 4 tests/dist/smoke_worker.py``. For each
 layout (TP2xPP2, DP2xPP2, DP4, PP2 interleaved with 2 virtual stages, DP2) it builds the tiny
-GPT, wraps it in megatron DDP, runs ``get_forward_backward_func()`` on 2 packed THD micro-batches
+GPT, wraps it in megatron DDP, runs the schedule (``megatron_loss.run_schedule``) on 2 packed THD micro-batches
 with the per-token 3-tuple loss contract and checks that every gradient is finite and that some
 are non-zero. It proves the schedule runs; exact parity is checked elsewhere.
 """
@@ -21,9 +21,10 @@ apply_megatron_patches()  # before any model is built
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron_pg_agg.megatron_loss import run_schedule  # noqa: E402
 
-from megatron_pg_agg.model import build_model_chunks, tiny_transformer_config, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.model import build_model_chunks, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
 from thd_packing import next_token_targets, pack_sequences  # noqa: E402  (test tooling beside it)
 from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 
@@ -77,18 +78,11 @@ def run_layout(tp: int, pp: int, vpp) -> str:
         chunk.zero_grad_buffer()
 
     data = microbatches(parallel_state.get_data_parallel_rank(), FIXED_LENGTH if fixed else None)
-    iterators = [iter(data) for _ in model]  # every virtual stage walks the same micro-batches
+    assert len(data) == NUM_MICROBATCHES
     seq_length = max(d["batch"].tokens.size(1) for d in data)
     t0 = time.perf_counter()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model,
-        num_microbatches=NUM_MICROBATCHES,
-        seq_length=seq_length,
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    # every virtual stage walks the same micro-batches
+    losses = run_schedule(model, data, forward_step, seq_length=seq_length)
     elapsed = time.perf_counter() - t0
 
     grads = [p.main_grad for chunk in model for p in chunk.parameters() if p.requires_grad]

@@ -25,7 +25,7 @@ def main() -> None:
 
     apply_megatron_patches(cpu_gloo=True)
     from megatron_pg_agg.args import config_from_args
-    from megatron_pg_agg.model import build_model_chunks, tiny_transformer_config
+    from megatron_pg_agg.model import build_model_chunks, transformer_config
     from megatron_pg_agg.parallel import init_distributed, init_parallel
     from megatron_pg_agg.parity import step_objective
     from megatron_pg_agg.trainer import build_parser, synthetic_rollouts
@@ -35,7 +35,7 @@ def main() -> None:
         raise SystemExit("the reference covers the built-in rollouts and a dense model")
     init_distributed()
     init_parallel(1, 1, seed=args.seed)
-    config = tiny_transformer_config(
+    config = transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads, use_cpu_initialization=True,

@@ -1,0 +1,106 @@
+"""``megatron-pg-agg-parity`` / ``python -m megatron_pg_agg.parity``: launch the cases (grouped by
+world size, one ``torchrun`` each), print the table, exit 0 iff every row passes."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+from . import __doc__ as PACKAGE_DOC
+from .fixture import DEFAULT_CASES, MODES, POLICY_LOSSES
+from .report import plot_errors, print_table
+
+__all__ = ["launch", "main"]
+
+
+def _csv(choices):
+    def parse(text: str) -> list:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)} (comma-separated)")
+        return values
+    return parse
+
+
+def launch(cases, modes, policy_losses=POLICY_LOSSES, *, timeout_s: float = 900.0, log=print,
+           echo: bool = False) -> list:
+    """Run ``cases`` (grouped by world size, one torchrun each) and return every row."""
+    rows = []
+    by_world = {}
+    for case in cases:
+        by_world.setdefault(case.world, []).append(case)
+    for world, group in sorted(by_world.items()):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(world), "-m", "megatron_pg_agg.parity.workers", "--out", out,
+                   "--cases-json", json.dumps([asdict(case) for case in group]), "--modes", *modes,
+                   "--policy-losses", *policy_losses]
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            runs = sum(len(case.runs(modes, policy_losses)) for case in group)
+            log(f"[parity] launching {world} ranks: {len(group)} layouts, {runs} rows", flush=True)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            lines = []
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    if echo:
+                        log("  " + line.rstrip(), flush=True)
+                    if time.monotonic() - t0 > timeout_s:
+                        raise subprocess.TimeoutExpired(cmd, timeout_s)
+                proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise RuntimeError(f"parity launch ({world} ranks) timed out after {timeout_s:.0f}s:\n"
+                                   + "".join(lines[-200:]))
+            if proc.returncode != 0 or not os.path.exists(out):
+                raise RuntimeError(f"parity launch ({world} ranks) failed with rc={proc.returncode}:\n"
+                                   + "".join(lines[-200:]))
+            with open(out) as f:
+                got = json.load(f)
+            log(f"[parity] {world} ranks done in {time.monotonic() - t0:.1f}s", flush=True)
+            seen = {(r["layout"], r["policy_loss"], r["mode"]) for r in rows}
+            rows.extend(r for r in got if (r["layout"], r["policy_loss"], r["mode"]) not in seen)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-pg-agg-parity", description=PACKAGE_DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", type=_csv(MODES), default=list(MODES),
+                        help=f"comma-separated aggregation modes (default: {','.join(MODES)})")
+    parser.add_argument("--policy-losses", type=_csv(POLICY_LOSSES), default=list(POLICY_LOSSES),
+                        help=f"comma-separated policy losses (default: {','.join(POLICY_LOSSES)})")
+    parser.add_argument("--layouts", nargs="+", help="substrings selecting layouts by name (default: all)")
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--plot", help="write a PNG of the gradient errors per layout here")
+    parser.add_argument("--verbose", action="store_true", help="echo the workers' output (rows as they finish)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch")
+    args = parser.parse_args(argv)
+    cases = [case for case in DEFAULT_CASES
+             if (args.layouts is None or any(s in case.name for s in args.layouts))
+             and not (args.no_controls and case.expect_fail)
+             and case.runs(args.modes, args.policy_losses)]
+    if not cases:
+        parser.error("no layout matches --layouts, --modes and --policy-losses")
+    rows = launch(cases, args.modes, args.policy_losses, timeout_s=args.timeout, echo=args.verbose,
+                  log=lambda *a, **k: print(*a, file=sys.stderr, **k))
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot_errors(rows, args.plot)
+    failed = [r for r in rows if not r["passed"]]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 0 if not failed else 1

@@ -1,0 +1,247 @@
+"""The torchrun side of the parity check: every rank computes the reference, then runs each case
+through the planner and megatron-core's real schedule and compares (rows on global rank 0).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 -m megatron_pg_agg.parity.workers \\
+        --cases-json '[...]' --modes seq_mean --policy-losses ppo gspo --out rows.json
+
+(:func:`megatron_pg_agg.parity.cli.launch` builds this command.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from .fixture import GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, VOCAB, ParityCase, loss_config, parity_rollouts
+from .models import build_case_model, full_parameter_name, load_full_state, tp_rank_size_group
+from .reference import reference
+from .report import REFERENCE_LABELS, format_row
+
+__all__ = ["gather_full_grads", "run_case", "worker_main"]
+
+
+def gather_full_grads(ddp_chunks) -> dict:
+    """This rank's ``main_grad``s, TP shards concatenated, under single-device names."""
+    tp_rank, tp_size, tp_group = tp_rank_size_group()
+    out = {}
+    for chunk in ddp_chunks:
+        module = chunk.module
+        for name, param in module.named_parameters():
+            grad = param.main_grad.detach().clone()
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                parts = [torch.empty_like(grad) for _ in range(tp_size)]
+                torch.distributed.all_gather(parts, grad, group=tp_group)
+                grad = torch.cat(parts, dim=param.partition_dim)
+            out[full_parameter_name(module, name)] = grad.cpu()
+    return out
+
+
+def _per_microbatch_weights(mb, rollouts, cfg, cp):
+    """The control's bug: weights computed from the tokens one rank sees in one microbatch."""
+    from ..aggregation import token_weights
+
+    pads = [b - a for a, b in zip(mb.cu_seqlens_padded.tolist()[:-1], mb.cu_seqlens_padded.tolist()[1:])]
+    local = [n // cp for n in pads]
+    cu = [0]
+    for n in local:
+        cu.append(cu[-1] + n)
+    groups = []
+    for k, s in enumerate(mb.sequence_ids):
+        if k and rollouts[s].group_id == rollouts[mb.sequence_ids[k - 1]].group_id:
+            groups[-1] += 1
+        else:
+            groups.append(1)
+    return token_weights(mb.numerator_mask, mode=cfg.canonical_mode, divisor=cfg.divisor,
+                         cu_seqlens=torch.tensor(cu), group_sizes=groups,
+                         denominator_mask=mb.denominator_mask)
+
+
+def _plan(case: ParityCase, rollouts, cfg, cp_rank: int):
+    from ..planner import PlanConfig, plan_step
+
+    return plan_step(rollouts, cfg, PlanConfig(
+        dp_size=case.dp, num_microbatches=case.num_microbatches, tp_size=case.tp, cp_size=case.cp,
+        vocab_size=VOCAB, uniform_microbatch_tokens=case.uniform_tokens), cp_rank=cp_rank)
+
+
+def _forward_step(case: ParityCase, cfg, totals, device):
+    from megatron.core import parallel_state
+
+    from ..megatron_loss import make_forward_step
+
+    # the control drops the CP group: each CP rank's sequence statistic from its own tokens only
+    cp_group = None if case.control == "no_cp_statistic_reduction" else parallel_state.get_context_parallel_group()
+    return make_forward_step(cfg, totals, device=device, cp_group=cp_group,
+                             tp_group=parallel_state.get_tensor_model_parallel_group())
+
+
+def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device) -> None:
+    """``main_grad -= `` the gradient of an aux-only run of the same step (advantages 0, KL and
+    entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving the
+    PG objective's gradient (the router losses add linearly; tests/test_moe.py checks that and
+    their strength)."""
+    from ..megatron_loss import run_schedule
+    from ..moe import begin_moe_step
+
+    total = {id(p): p.main_grad.detach().clone() for chunk in model for p in chunk.module.parameters()}
+    aux_rollouts = [replace(r, advantages=[0.0] * len(r.advantages)) for r in rollouts]
+    aux_cfg = replace(cfg, kl_coef=0.0, entropy_coef=0.0)
+    plan = _plan(case, aux_rollouts, aux_cfg, cp_rank)
+    mbs = plan.for_rank(dp_rank)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    begin_moe_step(plan.totals.pg_weight, len(mbs), case.dp)
+    run_schedule(model, mbs, _forward_step(case, aux_cfg, plan.totals, device))
+    with torch.no_grad():
+        for chunk in model:
+            for p in chunk.module.parameters():
+                p.main_grad.copy_(total[id(p)] - p.main_grad)
+
+
+def _compare(case, policy, mode, objective, full, references, plan, step_s) -> dict:
+    ref_obj, ref_grads, _ = references[(case.model_kind, policy, mode)]
+    missing = sorted(set(ref_grads) - set(full))
+    if missing:
+        raise RuntimeError(f"{case.name}: no gradient gathered for {missing}")
+    errors = {
+        k: float((full[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-30))
+        for k in ref_grads
+    }
+    worst = max(errors, key=errors.get)
+    if os.environ.get("PG_AGG_PARITY_DEBUG"):
+        for k in sorted(errors, key=errors.get)[-6:]:
+            print(f"  {k}: rel {errors[k]:.2e} ref max {float(ref_grads[k].abs().max()):.3e} "
+                  f"abs err {float((full[k] - ref_grads[k]).abs().max()):.3e}", flush=True)
+    obj_err = abs(objective - ref_obj) / max(abs(ref_obj), 1e-30)
+    within = obj_err <= OBJECTIVE_RTOL and errors[worst] <= GRAD_RTOL
+    return {
+        "layout": case.name, "policy_loss": policy, "mode": mode, "objective": objective, "reference": ref_obj,
+        "objective_rel_err": obj_err, "grad_max_rel_err": errors[worst], "worst_parameter": worst,
+        "expect_fail": case.expect_fail, "passed": within != case.expect_fail,
+        "microbatch_balance": plan.stats["microbatch_balance"], "step_s": step_s,
+    }
+
+
+def run_case(case: ParityCase, rollouts, runs, full_states, references):
+    """Run one case for each ``(policy_loss, mode)`` of ``runs``; rows on global rank 0 (None
+    elsewhere)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    from ..megatron_loss import check_megatron_config, run_schedule
+    from ..model import default_ddp_config, wrap_in_ddp
+    from ..moe import begin_moe_step
+    from ..parallel import init_parallel, teardown_parallel
+
+    init_parallel(case.tp, case.pp, case.vpp, case.cp, ep=case.ep)
+    per_token_loss = case.control != "megatron_default_averaging"
+    config, chunks = build_case_model(case, per_token_loss=per_token_loss)
+    load_full_state(chunks, full_states[case.model_kind])
+    ddp_config = default_ddp_config()
+    model = wrap_in_ddp(chunks, config, ddp_config)
+    config.finalize_model_grads_func = finalize_model_grads
+    if case.control is None:
+        check_megatron_config(config, ddp_config)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    # MoE: expert gradients live on their EP rank (any DP rank): every rank sends its gradients
+    keep = (dp_rank == 0 and cp_rank == 0) or bool(case.experts)
+    device = torch.device("cuda") if torch.cuda.is_available() else None
+    rows = []
+    for policy, mode in runs:
+        cfg = loss_config(mode, policy)
+        plan = _plan(case, rollouts, cfg, cp_rank)
+        mbs = plan.for_rank(dp_rank)
+        if case.control == "per_microbatch_weights":
+            mbs = [replace(mb, weights=_per_microbatch_weights(mb, rollouts, cfg, case.cp)) for mb in mbs]
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        t0 = time.perf_counter()
+        if case.experts:  # the router losses' per-step factor W / M_total
+            begin_moe_step(plan.totals.pg_weight, len(mbs), case.dp)
+        store = run_schedule(model, mbs, _forward_step(case, cfg, plan.totals, device))
+        step_s = time.perf_counter() - t0
+        if case.experts:
+            _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device)
+        pair = torch.zeros(2, dtype=torch.float64, device=device)
+        if last_stage:
+            for report in store:
+                pair += report["objective"].double()
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        pair = pair.cpu()
+        grads = gather_full_grads(model) if keep else {}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (last_stage and keep, pair.tolist(), grads))
+        if dist.get_rank() != 0:
+            continue
+        objective = next(p[0] / p[1] if p[1] else 0.0 for is_src, p, _ in gathered if is_src)
+        full = {}
+        for _, _, g in gathered:
+            full.update(g)
+        rows.append(_compare(case, policy, mode, objective, full, references, plan, step_s))
+    teardown_parallel()
+    return rows if dist.get_rank() == 0 else None
+
+
+def worker_main(argv=None) -> int:
+    import faulthandler
+
+    from ..parallel import init_distributed, init_parallel, teardown_parallel
+    from ..patches import apply_megatron_patches
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_pg_agg.parity.workers")
+    parser.add_argument("--cases-json", required=True, help="JSON list of ParityCase fields")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--policy-losses", nargs="+", default=list(POLICY_LOSSES), choices=POLICY_LOSSES)
+    parser.add_argument("--out", required=True, help="rank 0 writes the rows here (JSON)")
+    args = parser.parse_args(argv)
+    faulthandler.dump_traceback_later(float(os.environ.get("PG_AGG_HANG_DUMP_S", "540")), exit=True)
+    cases = [ParityCase(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+             for d in json.loads(args.cases_json)]
+    # moe_aux_loss whenever a model has experts (router losses at Megatron's default strength)
+    apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(),
+                           moe_aux_loss=any(case.experts for case in cases))
+    init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rollouts = parity_rollouts()
+    runs = {case.name: case.runs(args.modes, args.policy_losses) for case in cases}
+    # The references: the same on every rank (deterministic CPU init), then shared weights.
+    init_parallel(1, 1)
+    references, full_states = {}, {}
+    needed = sorted({(case.model_kind, p, m) for case in cases for p, m in runs[case.name]})
+    for kind, policy, mode in needed:
+        obj, grads, state = reference(rollouts, mode, policy, kind, full_states.get(kind))
+        full_states.setdefault(kind, state)
+        references[(kind, policy, mode)] = (obj, grads, state)
+    teardown_parallel()
+    rows = []
+    for case in cases:
+        if not runs[case.name]:
+            continue
+        got = run_case(case, rollouts, runs[case.name], full_states, references)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            rows.extend(got)
+            for row in got:
+                print(format_row(row), flush=True)
+    if dist.get_rank() == 0:
+        ref_rows = [{"layout": "single-process reference" + REFERENCE_LABELS[k], "policy_loss": p,
+                     "mode": m, "objective": references[(k, p, m)][0], "reference": references[(k, p, m)][0],
+                     "objective_rel_err": 0.0, "grad_max_rel_err": 0.0, "expect_fail": False, "passed": True}
+                    for k, p, m in needed]
+        with open(args.out, "w") as f:
+            json.dump(ref_rows + rows, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
