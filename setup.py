@@ -22,7 +22,7 @@ setup(
     name="megatron_pg_agg",
     version="0.1.0",
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
-    packages=["megatron_pg_agg", "megatron_pg_agg.patches"],
+    packages=["megatron_pg_agg", "megatron_pg_agg.parity", "megatron_pg_agg.patches"],
     package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches"},
     python_requires=">=3.10",
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
