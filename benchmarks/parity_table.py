@@ -4,7 +4,7 @@
     python benchmarks/parity_table.py parity.json             # print the markdown table
     python benchmarks/parity_table.py parity.json --readme README.md   # replace the table there
 
-tests/test_parity.py checks that README.md's table matches the JSON of the suite it runs, to
+tests/distributed/test_parity.py checks that README.md's table matches the JSON of the suite it runs, to
 the printed precision.
 """
 import argparse

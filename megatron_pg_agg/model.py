@@ -3,7 +3,7 @@
 WHY
     The aggregation is only proven exact if the real megatron-core pieces run: GPTModel,
     tensor-parallel layers, the pipeline schedules, DDP and ``finalize_model_grads``. These
-    helpers build them one way everywhere (tests, ``tests/dist`` workers, benchmarks):
+    helpers build them one way everywhere (tests, ``tests/distributed`` workers, benchmarks):
 
     * :func:`transformer_config`: a ``TransformerConfig`` with ``calculate_per_token_loss=True``
       whose fusions follow the device (:func:`device_settings`: off on CPU, Megatron-LM's

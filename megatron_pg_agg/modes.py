@@ -37,7 +37,7 @@ class Alias:
     """Which framework uses the name."""
     note: str = ""
     """Where the peer's semantics differ from ours (empty when they match exactly). It is the
-    README table's "differences" cell, word for word (``tests/test_modes.py`` checks it)."""
+    README table's "differences" cell, word for word (``tests/unit/test_modes.py`` checks it)."""
     policy_loss: Optional[str] = None
     """The ``--pg-policy-loss`` to pair with, where the peer's name also fixes the token loss."""
     divisor_hint: str = ""

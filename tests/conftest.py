@@ -1,4 +1,10 @@
-"""Shared fixtures."""
+"""Shared fixtures and the ``dist`` marker.
+
+Layout: ``tests/unit`` (in-process, fast: ``pytest -m "not dist" tests``), ``tests/distributed``
+(every test there launches processes: torchrun jobs, the trainer, Megatron-LM; marked ``dist``
+automatically), ``tests/distributed/workers`` (what those launches run, as
+``-m tests.distributed.workers.X``) and ``tests/support`` (helpers, imported as
+``tests.support.X``)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +14,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DIST = ROOT / "tests" / "distributed"  # not "dist": pytest skips folders named dist by default (norecursedirs)
 REQUIRE_MEGATRON_LM = "MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "dist: launches processes (torchrun, the trainer, Megatron-LM); "
+                                       "every test under tests/distributed")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if DIST in Path(item.path).parents:
+            item.add_marker(pytest.mark.dist)
 
 
 def find_megatron_lm():

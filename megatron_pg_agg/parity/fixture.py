@@ -49,7 +49,7 @@ class ParityCase:
     """MoE: experts per layer (top-2, router aux 0.01 and z 1e-3 losses on, ``moe_aux_loss``
     patch applied); 0 = dense. The reference has the same experts and no router losses; the
     layout's PG gradient is its total gradient minus the router losses' own gradient (an aux-only
-    run of the same plan: advantages 0, KL and entropy off), whose strength tests/test_moe.py
+    run of the same plan: advantages 0, KL and entropy off), whose strength tests/distributed/test_moe.py
     checks against Megatron's default averaging."""
     ep: int = 1
     """Expert-parallel size (carved out of the DP ranks)."""

@@ -84,7 +84,7 @@ def _forward_step(case: ParityCase, cfg, totals, device):
 def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device) -> None:
     """``main_grad -= `` the gradient of an aux-only run of the same step (advantages 0, KL and
     entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving the
-    PG objective's gradient (the router losses add linearly; tests/test_moe.py checks that and
+    PG objective's gradient (the router losses add linearly; tests/distributed/test_moe.py checks that and
     their strength)."""
     from ..megatron_loss import run_schedule
     from ..moe import begin_moe_step

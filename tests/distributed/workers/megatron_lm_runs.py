@@ -1,0 +1,41 @@
+"""Several Megatron-LM runs of launch/pretrain_actor.py in one launch (test batching).
+
+    [torchrun --standalone --nproc_per_node N] -m tests.distributed.workers.megatron_lm_runs RUNS.json RESULT.json
+
+RUNS.json is a list of ``{"name": ..., "argv": [...]}``; each run goes through the entry point's
+own ``main(argv)`` (the same function ``launch/pretrain_actor.py`` exits with), then Megatron-LM's
+``destroy_global_state()`` resets its globals for the next run (the process group stays, as in
+Megatron-LM's in-process restart). Importing megatron.training costs ~10 s per process on this
+machine; a run after that costs ~2-4 s. Rank 0 writes ``{name: exit status}`` to RESULT.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from megatron_pg_agg.megatron_lm import main
+
+
+def run_all(runs: list) -> dict:
+    status = {}
+    for run in runs:
+        print(f"[runs] {run['name']}", file=sys.stderr, flush=True)
+        try:
+            status[run["name"]] = main(list(run["argv"]))
+        except SystemExit as exc:  # argparse's usage errors; Megatron-LM's --exit-interval (0)
+            status[run["name"]] = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        from megatron.training.training import destroy_global_state
+
+        destroy_global_state()
+    return status
+
+
+if __name__ == "__main__":
+    runs_path, result_path = sys.argv[1], sys.argv[2]
+    with open(runs_path) as f:
+        status = run_all(json.load(f))
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        with open(result_path, "w") as f:
+            json.dump(status, f)
