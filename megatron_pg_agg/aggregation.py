@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from ._inputs import GroupSizes, TokenLayout, build_layout, check_loss, should_validate, _as_bool_mask
-from .modes import CONSTANT, PROMPT_MEAN, SEQ_MEAN, TOKEN_MEAN, resolve_mode
+from .modes import CONSTANT, PROMPT_MEAN, TOKEN_MEAN, resolve_mode
 from .segments import exclusive_cumsum, segment_ids
 
 __all__ = ["TokenWeights", "aggregate", "token_weights", "weighted_sum"]

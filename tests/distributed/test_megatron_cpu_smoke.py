@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.launching import ROOT, run, torchrun, worker
+from tests.support.launching import run, torchrun, worker
 
 WORKER = worker("smoke_worker")
 TIMEOUT_S = 120  # a normal run takes ~15 s on 2 cores; the worker dumps stacks on a hang at 75 s

@@ -9,7 +9,6 @@ launch) runs every mode of a layout through the entry point's ``main`` in turn
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path

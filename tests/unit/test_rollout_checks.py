@@ -4,7 +4,6 @@ float noise up to 1e-4 and anything at masked positions pass."""
 import copy
 
 import pytest
-import torch
 
 from megatron_pg_agg.losses import PGLossConfig
 from megatron_pg_agg.planner import PlanConfig, plan_step
