@@ -60,42 +60,33 @@ _CONTRACT = dict(
     cuda_graph_scope=[],
 )
 
-# CPU (gloo): fp32, weights built on the CPU, every fused kernel off (they are CUDA-only or need
-# TE/apex), and no batched p2p (gloo mismatches batched isend/irecv with interleaved pipelines,
-# and the sync after it is a torch.cuda.synchronize; see patches/cpu_gloo.py).
+JIT_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion")
+"""Fusions megatron-core compiles itself (torch JIT / its own kernels): CUDA only."""
+TE_FUSIONS = ("apply_rope_fusion", "gradient_accumulation_fusion", "persist_layer_norm")
+"""Fusions that call Transformer Engine's (or apex's) kernels."""
+
+# CPU (gloo): fp32, weights built on the CPU, every fused kernel off, and no batched p2p (gloo
+# mismatches batched isend/irecv with interleaved pipelines, and the sync after it is a
+# torch.cuda.synchronize; see patches/cpu_gloo.py).
 _CPU = dict(
     params_dtype=torch.float32,
     pipeline_dtype=torch.float32,
     use_cpu_initialization=True,
-    gradient_accumulation_fusion=False,
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    persist_layer_norm=False,
     batch_p2p_comm=False,
     batch_p2p_sync=False,
+    **{name: False for name in JIT_FUSIONS + TE_FUSIONS},
 )
 
 
 def device_settings(cuda: Optional[bool] = None, te: Optional[bool] = None) -> dict:
     """``TransformerConfig`` fields that follow the device. CPU: :data:`_CPU` (fused kernels off).
-    CUDA: Megatron-LM's training defaults: the JIT/torch fusions (bias+activation,
-    bias+dropout, masked softmax) on, and the fusions that need Transformer Engine's kernels
-    (RoPE, weight-gradient accumulation into ``main_grad``, persistent layer norm) on when TE is
-    usable."""
+    CUDA: Megatron-LM's training defaults: :data:`JIT_FUSIONS` on, and :data:`TE_FUSIONS` on
+    when Transformer Engine is usable."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if not cuda:
         return dict(_CPU)
     te = te_usable() if te is None else te
-    return dict(
-        masked_softmax_fusion=True,
-        bias_activation_fusion=True,
-        bias_dropout_fusion=True,
-        apply_rope_fusion=te,
-        gradient_accumulation_fusion=te,
-        persist_layer_norm=te,
-    )
+    return {**{name: True for name in JIT_FUSIONS}, **{name: te for name in TE_FUSIONS}}
 
 
 def transformer_config(**overrides) -> TransformerConfig:

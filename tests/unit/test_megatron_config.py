@@ -40,3 +40,23 @@ def test_all_problems_are_listed_at_once():
         check_megatron_config(config, DistributedDataParallelConfig(average_in_collective=True), backend="gloo")
     message = str(info.value)
     assert all(w in message for w in ("calculate_per_token_loss", "finalize_model_grads_func", "average_in_collective"))
+
+
+def test_fusions_follow_the_device():
+    """The trainer's model config: every fused kernel off on CPU (they are CUDA-only), Megatron-LM's
+    defaults on CUDA (the JIT fusions on; the TE-kernel fusions on exactly when TE is usable), so a
+    GPU run is never silently built with the CPU settings."""
+    from megatron_pg_agg.model import JIT_FUSIONS, TE_FUSIONS, device_settings, transformer_config
+
+    fusions = JIT_FUSIONS + TE_FUSIONS
+    assert len(set(fusions)) == 6
+    cpu = device_settings(cuda=False)
+    assert all(cpu[name] is False for name in fusions) and cpu["use_cpu_initialization"]
+    for te in (False, True):
+        gpu = device_settings(cuda=True, te=te)
+        assert all(gpu[name] is True for name in JIT_FUSIONS)
+        assert all(gpu[name] is te for name in TE_FUSIONS)
+        assert "use_cpu_initialization" not in gpu and "batch_p2p_comm" not in gpu  # Megatron's defaults
+    here = device_settings()  # this machine's device
+    config = transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4)
+    assert all(getattr(config, name) == here[name] for name in fusions) and config.calculate_per_token_loss
