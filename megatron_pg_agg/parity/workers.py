@@ -42,15 +42,11 @@ def gather_full_grads(ddp_chunks) -> dict:
     return out
 
 
-def _per_microbatch_weights(mb, rollouts, cfg, cp):
-    """The control's bug: weights computed from the tokens one rank sees in one microbatch."""
+def _per_microbatch_weights(mb, rollouts, cfg):
+    """The control's bug: weights computed from the tokens one rank sees in one microbatch (its
+    CP share of each sequence: the planner's ``cu_seqlens_local``)."""
     from ..aggregation import token_weights
 
-    pads = [b - a for a, b in zip(mb.cu_seqlens_padded.tolist()[:-1], mb.cu_seqlens_padded.tolist()[1:])]
-    local = [n // cp for n in pads]
-    cu = [0]
-    for n in local:
-        cu.append(cu[-1] + n)
     groups = []
     for k, s in enumerate(mb.sequence_ids):
         if k and rollouts[s].group_id == rollouts[mb.sequence_ids[k - 1]].group_id:
@@ -58,7 +54,7 @@ def _per_microbatch_weights(mb, rollouts, cfg, cp):
         else:
             groups.append(1)
     return token_weights(mb.numerator_mask, mode=cfg.canonical_mode, divisor=cfg.divisor,
-                         cu_seqlens=torch.tensor(cu), group_sizes=groups,
+                         cu_seqlens=mb.cu_seqlens_local.long(), group_sizes=groups,
                          denominator_mask=mb.denominator_mask)
 
 
@@ -160,7 +156,7 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
         plan = _plan(case, rollouts, cfg, cp_rank)
         mbs = plan.for_rank(dp_rank)
         if case.control == "per_microbatch_weights":
-            mbs = [replace(mb, weights=_per_microbatch_weights(mb, rollouts, cfg, case.cp)) for mb in mbs]
+            mbs = [replace(mb, weights=_per_microbatch_weights(mb, rollouts, cfg)) for mb in mbs]
         for chunk in model:
             chunk.zero_grad_buffer()
         t0 = time.perf_counter()

@@ -138,24 +138,23 @@ def _rows_from_readme():
     """JSON-like rows rebuilt from README.md's parity table (only what markdown_table prints)."""
     from megatron_pg_agg.parity import find_markdown_table
     from tests.support.launching import ROOT
+    from tests.support.parity_tables import _cells
 
     text = (ROOT / "README.md").read_text()
     start, end = find_markdown_table(text)
     table = text[start:end]
     rows = []
-    for line in table.strip().splitlines()[2:]:
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        for mode, cell in zip(MODES, cells[2:]):
-            if cell == "-":
-                continue
-            row = {"layout": cells[0], "policy_loss": cells[1], "mode": mode, "expect_fail": "as it must" in cell,
-                   "passed": "FAIL" not in cell and "control broken" not in cell}
-            if cell.startswith("J = "):
-                row.update(objective=float(cell[4:]), objective_rel_err=0.0, grad_max_rel_err=0.0)
-            else:
-                obj, grad = cell.split(" ")[0], cell.split(" ")[2]
-                row.update(objective=0.0, objective_rel_err=float(obj), grad_max_rel_err=float(grad))
-            rows.append(row)
+    for (layout, policy, mode), cell in _cells(table).items():
+        if cell == "-":
+            continue
+        row = {"layout": layout, "policy_loss": policy, "mode": mode, "expect_fail": "as it must" in cell,
+               "passed": "FAIL" not in cell and "control broken" not in cell}
+        if cell.startswith("J = "):
+            row.update(objective=float(cell[4:]), objective_rel_err=0.0, grad_max_rel_err=0.0)
+        else:
+            obj, grad = cell.split(" ")[0], cell.split(" ")[2]
+            row.update(objective=0.0, objective_rel_err=float(obj), grad_max_rel_err=float(grad))
+        rows.append(row)
     return table, rows
 
 
