@@ -115,3 +115,15 @@ def teardown_parallel() -> None:
     """Forget megatron's model-parallel state (the process group itself stays)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def shutdown_distributed() -> None:
+    """Forget megatron's model-parallel state and destroy the default process group, if any.
+
+    A job calls this on its normal exit and on its handled stops: a process that exits with a
+    live gloo group can abort in the group's destructor ("terminate called without an active
+    exception", SIGABRT), which replaces the job's own exit status with -6.
+    """
+    teardown_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

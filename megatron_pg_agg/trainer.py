@@ -481,7 +481,7 @@ def train_step(s: Session) -> dict:
 def close(s: Session, record: dict) -> dict:
     """The final checkpoint (unless the last step saved one), the parameter checksum, the last
     log lines, and the process group."""
-    import torch.distributed as dist
+    from .parallel import shutdown_distributed
 
     ckpt, state = s.cfg.checkpoint, s.state
     if ckpt.save and not (ckpt.save_interval and state.iteration % ckpt.save_interval == 0):
@@ -495,7 +495,7 @@ def close(s: Session, record: dict) -> dict:
         print(f"[train] done: {state.iteration} iterations, objective={record.get('objective', float('nan')):.6g}, "
               f"param_checksum={checksum:.10g}, skipped={state.skipped}", file=sys.stderr, flush=True)
     s.log.close()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return record
 
 
@@ -521,10 +521,24 @@ def main(argv=None) -> int:
     namespace = build_parser().parse_args(argv)
     try:
         train(RunConfig.from_args(namespace))
+    # The handled stops destroy the process group too (every rank reaches them together): a
+    # process that exits with a live gloo group can abort in its destructor (SIGABRT), which
+    # would replace the documented status with -6.
     except StartupError as err:
         print(f"[train] {err}", file=sys.stderr, flush=True)
+        _release_process_group()
         return 2
     except NonFiniteStepError as err:
         print(f"[train] stopped: {err}", file=sys.stderr, flush=True)
+        _release_process_group()
         return 3
     return 0
+
+
+def _release_process_group() -> None:
+    """Destroy the process group if this process made one (a bad flag never imports megatron)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from .parallel import shutdown_distributed
+
+        shutdown_distributed()
