@@ -469,7 +469,7 @@ def run(argv: list) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    from .worker_process import die_with_launcher, quiet_cpu_fallbacks
+    from .worker_process import die_with_launcher, quiet_cpu_fallbacks, release_process_group
 
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_cpu_fallbacks(PG_PREFIX)
@@ -479,4 +479,5 @@ def main(argv: Optional[list] = None) -> int:
         return run(argv)
     except StartupError as err:
         _say(str(err) if str(err).startswith("refusing") else f"refusing to start: {err}")
+        release_process_group()  # some refusals come after pretrain() made the group
         return 2

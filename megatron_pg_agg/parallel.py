@@ -118,12 +118,8 @@ def teardown_parallel() -> None:
 
 
 def shutdown_distributed() -> None:
-    """Forget megatron's model-parallel state and destroy the default process group, if any.
-
-    A job calls this on its normal exit and on its handled stops: a process that exits with a
-    live gloo group can abort in the group's destructor ("terminate called without an active
-    exception", SIGABRT), which replaces the job's own exit status with -6.
-    """
+    """Forget megatron's model-parallel state and destroy the default process group, if any
+    (:func:`megatron_pg_agg.worker_process.release_process_group` says why every exit needs it)."""
     teardown_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -23,7 +23,7 @@ from typing import Optional
 
 from .atomic_files import atomic_write
 from .run_config import RunConfig, StartupError, build_parser
-from .worker_process import die_with_launcher, keep_freed_memory, quiet_cpu_fallbacks
+from .worker_process import die_with_launcher, keep_freed_memory, quiet_cpu_fallbacks, release_process_group
 
 
 class NonFiniteStepError(RuntimeError):
@@ -521,24 +521,13 @@ def main(argv=None) -> int:
     namespace = build_parser().parse_args(argv)
     try:
         train(RunConfig.from_args(namespace))
-    # The handled stops destroy the process group too (every rank reaches them together): a
-    # process that exits with a live gloo group can abort in its destructor (SIGABRT), which
-    # would replace the documented status with -6.
     except StartupError as err:
         print(f"[train] {err}", file=sys.stderr, flush=True)
-        _release_process_group()
+        release_process_group()
         return 2
     except NonFiniteStepError as err:
         print(f"[train] stopped: {err}", file=sys.stderr, flush=True)
-        _release_process_group()
+        release_process_group()
         return 3
     return 0
 
-
-def _release_process_group() -> None:
-    """Destroy the process group if this process made one (a bad flag never imports megatron)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        from .parallel import shutdown_distributed
-
-        shutdown_distributed()

@@ -21,6 +21,21 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def release_process_group() -> None:
+    """Destroy this worker's process group (and megatron's model-parallel state), if it made one.
+
+    The entry points call this on their handled stops (every rank reaches them together): a
+    process that exits with a live gloo group can abort in the group's destructor ("terminate
+    called without an active exception", SIGABRT), and the launcher then reports -6 instead of
+    the documented status. A bad flag that stops before torch is imported imports nothing here.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from .parallel import shutdown_distributed
+
+        shutdown_distributed()
+
+
 def keep_freed_memory() -> None:
     """Tell glibc malloc to keep freed large blocks instead of returning them to the OS.
 

@@ -122,13 +122,23 @@ def test_a_non_finite_loss_stops_the_run_before_any_update_with_status_3(tmp_pat
     assert [r["iteration"] for r in steps] == [1] and not final
 
 
+# trainer.main in a child process, then whether it left its process group alive (a live gloo
+# group at exit can abort the process in the group's destructor, turning status 3 into -6)
+_MAIN_THEN_GROUP = ("import sys, torch.distributed as d; from megatron_pg_agg.trainer import main; "
+                    "rc = main(sys.argv[1:]); print('process group alive after main:', d.is_initialized()); "
+                    "sys.exit(rc)")
+
+
 def test_a_finite_loss_with_a_non_finite_gradient_stops_with_status_3(tmp_path):
     """The gradient path of the finiteness check on its own (one process: the status is the
-    trainer's own): the loss of step 1 is finite, its gradient is NaN."""
+    trainer's own): the loss of step 1 is finite, its gradient is NaN. The stop destroys the
+    process group before returning its status."""
     path = write_rollouts(tmp_path / "s.jsonl", _poisoned_steps("gradient"))
     metrics = tmp_path / "m.jsonl"
-    rc, out, _ = _one_process(["--rollouts", path, "--train-iters", 3, "--metrics-file", metrics])
+    argv = ["--rollouts", path, "--train-iters", 3, "--metrics-file", metrics]
+    rc, out, _ = run([sys.executable, "-c", _MAIN_THEN_GROUP, *map(str, argv)], 60, "trainer", env=child_env())
     assert rc == 3, out[-5000:]
+    assert "process group alive after main: False" in out, out[-3000:]
     assert "iteration 1 (rollout step 1): non-finite loss or gradient; nothing was updated" in out
     steps, final = _records(metrics)
     assert [r["iteration"] for r in steps] == [1] and not final

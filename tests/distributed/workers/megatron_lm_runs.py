@@ -4,8 +4,9 @@
 
 RUNS.json is a list of ``{"name": ..., "argv": [...]}``; each run goes through the entry point's
 own ``main(argv)`` (the same function ``launch/pretrain_actor.py`` exits with), then Megatron-LM's
-``destroy_global_state()`` resets its globals for the next run (the process group stays, as in
-Megatron-LM's in-process restart). Importing megatron.training costs ~10 s per process on this
+``destroy_global_state()`` resets its globals for the next run (the process group stays after a
+run that trained, as in Megatron-LM's in-process restart; a refusal destroys it, like the real
+script's exit does, and the next run's Megatron-LM initialisation makes a new one). Importing megatron.training costs ~10 s per process on this
 machine; a run after that costs ~2-4 s. Rank 0 writes ``{name: exit status}`` to RESULT.json.
 """
 from __future__ import annotations
