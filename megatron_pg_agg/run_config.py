@@ -252,6 +252,11 @@ class CheckpointConfig:
     load: Optional[str] = None
     """Resume from this checkpoint directory (``--load``); None: start from the initial weights."""
 
+    def interval_save_due(self, iteration: int) -> bool:
+        """Whether an interval checkpoint is written after ``iteration`` (the final checkpoint is
+        skipped when this already wrote one)."""
+        return bool(self.save and self.save_interval and iteration % self.save_interval == 0)
+
 
 @dataclass(frozen=True)
 class LoggingConfig:
@@ -359,9 +364,9 @@ class RunConfig:
             if size < 1:
                 problems.append(f"--{name}-model-parallel-size must be >= 1" if name != "context"
                                 else "--context-parallel-size must be >= 1")
-        if tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * pp * cp):
-            problems.append(
-                f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}")
+        if tp >= 1 and pp >= 1 and cp >= 1 and world_size % par.model_parallel_size:
+            problems.append(f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} "
+                            f"= {par.model_parallel_size}")
         if pp >= 1 and model.num_layers % pp:
             problems.append(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
         per_virtual = par.num_layers_per_virtual_pipeline_stage

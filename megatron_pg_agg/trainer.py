@@ -484,8 +484,8 @@ def close(s: Session, record: dict) -> dict:
     from .parallel import shutdown_distributed
 
     ckpt, state = s.cfg.checkpoint, s.state
-    if ckpt.save and not (ckpt.save_interval and state.iteration % ckpt.save_interval == 0):
-        save_checkpoint(ckpt.save, state.iteration, s.model, s.optimizer, s.rank, {"skipped": state.skipped})
+    if ckpt.save and not ckpt.interval_save_due(state.iteration):
+        _save(s)
     checksum = _param_checksum(s.model)
     if s.rank == 0:
         record["param_checksum"] = checksum
@@ -503,16 +503,21 @@ def train(cfg: RunConfig) -> dict:
     """Run the whole job: setup, steps, close. Returns rank 0's last metrics record (empty dict
     elsewhere)."""
     s = setup(cfg)
-    iters, interval, ckpt = cfg.training.train_iters, cfg.logging.log_interval, cfg.checkpoint
+    iters, interval = cfg.training.train_iters, cfg.logging.log_interval
     record = {}
     while s.state.iteration < iters:
         record = train_step(s)
         if s.state.iteration % interval == 0 or s.state.iteration == iters:
             s.log.log(record)
-        if ckpt.save and ckpt.save_interval and s.state.iteration % ckpt.save_interval == 0:
-            save_checkpoint(ckpt.save, s.state.iteration, s.model, s.optimizer, s.rank,
-                            {"skipped": s.state.skipped})
+        if cfg.checkpoint.interval_save_due(s.state.iteration):
+            _save(s)
     return close(s, record)
+
+
+def _save(s: Session) -> None:
+    """This iteration's checkpoint under ``--save`` (with the skipped-step count)."""
+    save_checkpoint(s.cfg.checkpoint.save, s.state.iteration, s.model, s.optimizer, s.rank,
+                    {"skipped": s.state.skipped})
 
 
 def main(argv=None) -> int:
@@ -522,12 +527,10 @@ def main(argv=None) -> int:
     try:
         train(RunConfig.from_args(namespace))
     except StartupError as err:
-        print(f"[train] {err}", file=sys.stderr, flush=True)
-        release_process_group()
+        print(f"[train] {err}", file=sys.stderr, flush=True)  # refused before any process group
         return 2
     except NonFiniteStepError as err:
         print(f"[train] stopped: {err}", file=sys.stderr, flush=True)
         release_process_group()
         return 3
     return 0
-
