@@ -23,7 +23,7 @@ from typing import Optional
 
 from .args import add_pg_agg_args, config_from_args
 from .losses import PGLossConfig
-from .versions import SUPPORTED_MEGATRON_CORE
+from .versions import SUPPORTED_MEGATRON_CORE, in_range, installed_megatron_core_version
 
 __all__ = [
     "CheckpointConfig",
@@ -351,13 +351,10 @@ class RunConfig:
     def startup_problems(self, world_size: int, *, backend: str, te: bool) -> list:
         """Every reason to refuse the run on ``world_size`` ranks of ``backend`` (``te``: Transformer
         Engine usable); empty when it may start. Reads the file system for ``--load``/``--rollouts``."""
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import Version
-
         model, par = self.model, self.parallel
         problems = []
-        installed = megatron_core_version()
-        if Version(installed) not in SpecifierSet(SUPPORTED_MEGATRON_CORE, prereleases=True):
+        installed = installed_megatron_core_version()
+        if not in_range(installed):
             problems.append(f"megatron-core {installed} is outside the supported range {SUPPORTED_MEGATRON_CORE}")
         tp, pp, cp = par.tp, par.pp, par.cp
         for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
@@ -433,9 +430,3 @@ class RunConfig:
                             "refuses MoE training under TP without it)" + ("" if te else "; on CPU that needs TE too"))
         return problems
 
-
-def megatron_core_version() -> str:
-    """The installed megatron-core's version (checked against ``SUPPORTED_MEGATRON_CORE``)."""
-    from importlib.metadata import version
-
-    return version("megatron-core")

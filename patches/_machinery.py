@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import inspect
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+
+from ..versions import in_range, installed_megatron_core_version
 
 MARKER = "_megatron_pg_agg_patch"
 """Attribute set on every replacement: the name of the patch that installed it."""
-
-DISTRIBUTION = "megatron-core"
 
 
 @dataclass(frozen=True)
@@ -112,27 +110,10 @@ _STOOD_IN: dict[str, list[_StoodIn]] = {}
 """Patch name -> the stand-in modules it put in ``sys.modules``."""
 
 
-def installed_megatron_core_version() -> str:
-    """The installed megatron-core version (the distribution metadata, else ``package_info``).
-
-    Tests monkeypatch this function to simulate an unsupported release.
-    """
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        from megatron.core import package_info  # a source checkout on PYTHONPATH
-
-        return package_info.__version__
-
-
 def check_version(patch: Patch) -> None:
     """Raise ``RuntimeError`` unless the installed megatron-core is in ``patch.supported``."""
     installed = installed_megatron_core_version()
-    try:
-        ok = SpecifierSet(patch.supported).contains(Version(installed), prereleases=True)
-    except InvalidVersion:
-        ok = False
-    if not ok:
+    if not in_range(installed, patch.supported):
         raise RuntimeError(
             f"patch {patch.name!r} supports megatron-core {patch.supported!r}, but megatron-core "
             f"{installed} is installed; nothing was patched. Re-verify the patch against this "

@@ -78,10 +78,10 @@ def test_megatron_core_outside_the_supported_range_is_refused(monkeypatch):
     import megatron_pg_agg.run_config as run_config
 
     cfg = RunConfig.from_args(build_parser().parse_args([]))
-    monkeypatch.setattr(run_config, "megatron_core_version", lambda: "0.17.0")
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.17.0")
     with pytest.raises(StartupError, match="megatron-core 0.17.0 is outside the supported range"):
         cfg.validate(2, backend="gloo", te=False)
-    monkeypatch.setattr(run_config, "megatron_core_version", lambda: "0.16.1")
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.16.1")
     cfg.validate(2, backend="gloo", te=False)
 
 

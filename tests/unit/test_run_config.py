@@ -26,7 +26,7 @@ def _cfg(*argv) -> RunConfig:
 @pytest.fixture(autouse=True)
 def _supported_megatron_core(monkeypatch):
     # these tests are about the flags, not the installed megatron-core
-    monkeypatch.setattr(run_config, "megatron_core_version", lambda: "0.16.1")
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.16.1")
 
 
 def test_defaults_resolve_as_the_flags_document():
