@@ -8,14 +8,19 @@ from pathlib import Path
 
 from setuptools import setup
 
-# torch is pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU machine. Users on
-# GPU nodes install their own torch first; the pin is for the CPU default and CI.
-TORCH = "torch==2.13.0"
-# The tested megatron-core range is written once, in megatron_pg_agg/versions.py (read here as
-# text: the package cannot be imported before its dependencies are installed).
-MEGATRON_CORE = "megatron-core" + re.search(
-    r'SUPPORTED_MEGATRON_CORE = "([^"]+)"',
-    (Path(__file__).parent / "megatron_pg_agg" / "versions.py").read_text()).group(1)
+
+def _versions_constant(name: str) -> str:
+    """A string constant of megatron_pg_agg/versions.py, read as text: the package cannot be
+    imported before its dependencies are installed. The supported ranges are written there once."""
+    text = (Path(__file__).parent / "megatron_pg_agg" / "versions.py").read_text()
+    return re.search(rf'^{name} = "([^"]+)"', text, re.M).group(1)
+
+
+# torch as a range (what every supported megatron-core release accepts), never a pin: pip must
+# keep the torch a user already has (a CUDA build on a GPU node). The CPU wheel is pinned where
+# the environment is made: the README's commands and .ci/run.
+TORCH = _versions_constant("TORCH_REQUIREMENT")
+MEGATRON_CORE = "megatron-core" + _versions_constant("SUPPORTED_MEGATRON_CORE")
 MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic", "psutil"]
 
 setup(

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 launch/pretrain_actor.py --megatron-lm PATH \\
         <Megatron-LM flags> --calculate-per-token-loss --pg-loss-aggregation MODE [--pg-rollouts FILE]
 
-``--megatron-lm`` (or ``MEGATRON_LM_PATH``) names a Megatron-LM core_v0.16.x checkout. Exit
-status 2: refused at start-up (every problem listed). The pieces live in megatron_pg_agg.megatron_lm.
+``--megatron-lm`` (or ``MEGATRON_LM_PATH``) names a Megatron-LM checkout, core_v0.15.x to
+core_v0.19.x, of the installed megatron-core's release. Exit status 2: refused at start-up (every problem listed). The pieces live in megatron_pg_agg.megatron_lm.
 """
 import sys
 

@@ -65,11 +65,11 @@ def find_checkout(argv: list) -> str:
         path, source = os.environ.get(ENV_CHECKOUT), ENV_CHECKOUT
     if not path:
         raise StartupError(f"no Megatron-LM checkout: pass --megatron-lm PATH or set {ENV_CHECKOUT} "
-                           "(a core_v0.16.x checkout of NVIDIA Megatron-LM)")
+                           "(a checkout of NVIDIA Megatron-LM, tags core_v0.15.x to core_v0.19.x)")
     root = os.path.abspath(path)
     if not os.path.isdir(os.path.join(root, "megatron", "training")):
         raise StartupError(f"{source} {path}: no megatron/training there; expected the root of a "
-                           "Megatron-LM core_v0.16.x checkout")
+                           "Megatron-LM checkout (tags core_v0.15.x to core_v0.19.x)")
     return root
 
 
@@ -266,13 +266,21 @@ class Actor:
 
     # Megatron-LM's model provider, with the THD core attention where TE is not used
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+        """Megatron-LM's own ``model_provider(gpt_builder, ...)``. ``config`` and
+        ``pg_collection`` are passed by name where it takes them (core_v0.16+); core_v0.15's
+        ``get_model`` never gives them."""
+        import inspect
+
         from gpt_builders import gpt_builder
         from model_provider import model_provider
 
         from .thd_attention import use_thd_core_attention
 
-        model = model_provider(gpt_builder, pre_process, post_process, vp_stage, config=config,
-                               pg_collection=pg_collection)
+        accepted = inspect.signature(model_provider).parameters
+        # a value given for a parameter it lacks is passed anyway: a TypeError, never dropped
+        extra = {k: v for k, v in (("config", config), ("pg_collection", pg_collection))
+                 if k in accepted or v is not None}
+        model = model_provider(gpt_builder, pre_process, post_process, vp_stage, **extra)
         use_thd_core_attention(model)
         return model
 
@@ -430,18 +438,15 @@ def run(argv: list) -> int:
     use_checkout(root)
     from megatron_pg_agg.patches import apply_megatron_patches
 
-    from .patches._megatron_lm_release import UnsupportedMegatronLM
+    from .patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 
     try:
         apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True)
+        release = check_checkout()
     except (UnsupportedMegatronLM, RuntimeError) as err:
         raise StartupError(f"refusing to start: {err}") from err
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.arguments import parse_args
-
     sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv
-    args = parse_args(add_actor_args)
+    args = _parse_args(release)
     problems = startup_problems(args, cuda=cuda)
     if problems:
         raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
@@ -453,19 +458,61 @@ def run(argv: list) -> int:
     # the loss and data configs as launch/train_actor.py builds them (the parser checked the loss)
     loss_cfg, data = config_from_args(args), DataConfig.from_megatron_lm_args(args)
     steps = load_steps(data, loss_cfg, vocab_size=args.vocab_size, seed=args.seed)  # before any process group
-    if args.dataloader_type is None:
+    if not any(a == "--dataloader-type" or a.startswith("--dataloader-type=") for a in argv):
         _say("--dataloader-type external (set: the planner feeds the microbatches)")
     actor = Actor(args, steps, cuda=cuda, loss_cfg=loss_cfg)
     from megatron_pg_agg.patches import megatron_lm_log
 
     megatron_lm_log.add_observer(actor.on_training_log)
     try:
-        pretrain(actor.datasets_provider, actor.model_provider, ModelType.encoder_or_decoder,
-                 actor.forward_step, extra_args_provider=add_actor_args,
-                 args_defaults={"dataloader_type": "external"})
+        _pretrain(release, args, actor)
     finally:
         megatron_lm_log.remove_observer(actor.on_training_log)
     return 0
+
+
+ARGS_DEFAULTS = {"dataloader_type": "external"}
+"""Megatron-LM ``args_defaults``: the planner feeds the microbatches."""
+
+
+def _parse_args(release):
+    """Megatron-LM's flags plus the actor's, parsed once for the start-up checks. Up to
+    core_v0.17 ``pretrain()`` parses and validates again itself (``extra_args_provider``); from
+    core_v0.18 ``parse_and_validate_args`` is the one parse and sets Megatron-LM's globals."""
+    if release.uses_config_container:
+        from megatron.training.arguments import parse_and_validate_args
+
+        return parse_and_validate_args(extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS)
+    from megatron.training.arguments import parse_args
+
+    return parse_args(add_actor_args)
+
+
+def _pretrain(release, args, actor) -> None:
+    """Megatron-LM's ``pretrain()`` with the actor's providers, every argument bound by name.
+
+    From core_v0.18 through a config container made from ``args`` without a model config
+    (``pretrain_cfg_container_from_args(args)``): with ``cfg.model`` set, core_v0.19 builds the
+    model itself and skips ``get_model`` and the model provider, and with them the THD core
+    attention hook and the CPU patch's ``get_model`` path; without it both run as up to 0.17."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    providers = dict(train_valid_test_dataset_provider=actor.datasets_provider,
+                     model_provider=actor.model_provider, model_type=ModelType.encoder_or_decoder,
+                     forward_step_func=actor.forward_step)
+    if not release.uses_config_container:
+        pretrain(**providers, extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS)
+        return
+    import warnings
+
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    with warnings.catch_warnings():
+        # the deliberate choice above: no ModelConfig, so the model provider (and the hooks) run
+        warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig", category=UserWarning)
+        cfg = pretrain_cfg_container_from_args(args)
+    pretrain(cfg_container=cfg, **providers)
 
 
 def main(argv: Optional[list] = None) -> int:

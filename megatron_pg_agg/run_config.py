@@ -23,7 +23,7 @@ from typing import Optional
 
 from .args import add_pg_agg_args, config_from_args
 from .losses import PGLossConfig
-from .versions import SUPPORTED_MEGATRON_CORE, in_range, installed_megatron_core_version
+from .versions import installed_megatron_core_version, release_problem
 
 __all__ = [
     "CheckpointConfig",
@@ -353,9 +353,9 @@ class RunConfig:
         Engine usable); empty when it may start. Reads the file system for ``--load``/``--rollouts``."""
         model, par = self.model, self.parallel
         problems = []
-        installed = installed_megatron_core_version()
-        if not in_range(installed):
-            problems.append(f"megatron-core {installed} is outside the supported range {SUPPORTED_MEGATRON_CORE}")
+        release = release_problem(installed_megatron_core_version())
+        if release is not None:
+            problems.append(release)
         tp, pp, cp = par.tp, par.pp, par.cp
         for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
             if size < 1:

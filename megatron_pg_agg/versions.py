@@ -1,11 +1,82 @@
-"""The one place the supported megatron-core releases are written (setup.py reads it as text).
+"""The one place the supported Megatron releases are written (setup.py and .ci/run read this file).
 
-Every runtime patch checks the installed release against it before touching anything, the
-trainer refuses to start outside it, and pip installs inside it. Widen it only after the patches'
-targets and the loss contract (3-tuple, calculate_per_token_loss, finalize_model_grads' count)
-have been re-verified against the new release."""
+megatron-core 0.15.x to 0.19.x are supported, each with the Megatron-LM training side of the same
+minor release (tags ``core_v0.15.x`` ... ``core_v0.19.x``). Every runtime patch checks the installed
+release against :data:`SUPPORTED_MEGATRON_CORE` before touching anything (a patch target that
+exists only in some releases names its own range), the trainer refuses to start outside it, and
+pip installs inside it. Widen it only after the patches' targets and the loss contract (3-tuple,
+``calculate_per_token_loss``, ``finalize_model_grads``' count) have been re-verified against the
+new release, and a row of :data:`TESTED` runs it in CI.
 
-SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
+Older releases are refused with :data:`OLDER_RELEASES_REFUSED` (never overridable). A release
+newer than the range is refused too, unless :data:`ALLOW_UNTESTED_ENV` is ``1``: then it warns
+once and runs with the targets of the newest tested release.
+
+This module imports nothing at its top (``python megatron_pg_agg/versions.py`` prints the CI
+legs before anything is installed).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+SUPPORTED_MEGATRON_CORE = ">=0.15.0,<0.20"
+"""PEP 440 specifier set of the megatron-core releases the project supports."""
+
+TORCH_REQUIREMENT = "torch>=2.6.0"
+"""What every supported megatron-core release asks of torch (its ``Requires-Dist``); the CPU pin
+of a tested leg is in :data:`TESTED` (and the README's commands), never in ``install_requires``."""
+
+ALLOW_UNTESTED_ENV = "MEGATRON_PG_AGG_ALLOW_UNTESTED_MEGATRON"
+"""Set to ``1`` to run a megatron-core (and Megatron-LM checkout) NEWER than the supported range,
+with a warning instead of the refusal. Older releases are refused whatever it says."""
+
+OLDER_RELEASES_REFUSED = (
+    "releases before 0.15 are not supported: the patches were verified on 0.15-0.19 only, and the "
+    "older ones differ at their targets (0.13 names the router's loss hook apply_load_balancing_loss "
+    "and lacks tensor_parallel.random.force_reset_rng; 0.14's finalize_model_grads takes "
+    "grad_finalize_pgs where 0.15+ take pg_collection). Install megatron-core 0.15.x to 0.19.x."
+)
+"""Why megatron-core 0.13 and 0.14 are refused (never overridable)."""
+
+
+@dataclass(frozen=True)
+class TestedRelease:
+    """One row of the tested-versions table: a CI leg (README table and .ci/run come from here)."""
+
+    megatron_core: str
+    """The megatron-core release pip installs (``megatron-core==X``)."""
+    megatron_lm_tag: str
+    """The Megatron-LM tag of the training side the leg runs against."""
+    checkout: str
+    """That training side's folder in ``../shared/third_party``."""
+    python: str
+    """``3.11`` (the default ``python3``) or ``3.12`` (pyenv's 3.12.1)."""
+    torch: str
+    """The torch release the leg installs (2.13.0: the CPU wheel; 2.14.1: a CUDA build that runs on CPU)."""
+    suite: str
+    """``full``: every test; ``unit+megatron-lm``: tests/unit plus the Megatron-LM layout tests."""
+
+
+TESTED: tuple[TestedRelease, ...] = (
+    TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full"),
+    TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
+    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full"),
+    TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm"),
+    TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
+)
+"""The CI legs, in the order .ci/run runs them (one venv per Python; only megatron-core changes)."""
+
+
+def tested_table() -> str:
+    """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | CI runs |", "|---|---|---|---|---|"]
+    for leg in TESTED:
+        suite = "the whole suite" if leg.suite == "full" else "unit suite + Megatron-LM layout tests"
+        rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | {suite} |")
+    return "\n".join(rows)
 
 
 def installed_megatron_core_version() -> str:
@@ -22,13 +93,76 @@ def installed_megatron_core_version() -> str:
         return package_info.__version__
 
 
+def _version(text: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
+
+
 def in_range(installed: str, supported: str = SUPPORTED_MEGATRON_CORE) -> bool:
     """Whether release ``installed`` is inside the specifier set ``supported`` (pre-releases
     included; a version string that does not parse is outside)."""
     from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
 
-    try:
-        return SpecifierSet(supported).contains(Version(installed), prereleases=True)
-    except InvalidVersion:
-        return False
+    version = _version(installed)
+    return version is not None and SpecifierSet(supported).contains(version, prereleases=True)
+
+
+def newer_than_supported(installed: str) -> bool:
+    """Whether ``installed`` is above every release of :data:`SUPPORTED_MEGATRON_CORE`."""
+    from packaging.version import Version
+
+    version = _version(installed)
+    return version is not None and Version(f"{version.major}.{version.minor}") >= Version("0.20")
+
+
+def untested_allowed() -> bool:
+    """Whether the user asked, through :data:`ALLOW_UNTESTED_ENV`, to run a newer release."""
+    return os.environ.get(ALLOW_UNTESTED_ENV) == "1"
+
+
+_WARNED: set = set()
+
+
+def release_problem(installed: str, shown: str | None = None) -> str | None:
+    """Why release ``installed`` (of megatron-core, or of a Megatron-LM checkout) may not run, or
+    None when it may. ``shown``: how the message names it (default ``megatron-core <installed>``).
+
+    Inside the range: None. Older: the refusal with its reason. Newer: a refusal naming the range
+    and the override; with the override set, one warning per process and None."""
+    shown = shown or f"megatron-core {installed}"
+    if in_range(installed):
+        return None
+    if newer_than_supported(installed):
+        if untested_allowed():
+            if shown not in _WARNED:
+                _WARNED.add(shown)
+                warnings.warn(f"{shown} is newer than the tested range {SUPPORTED_MEGATRON_CORE}; running "
+                              f"anyway because {ALLOW_UNTESTED_ENV}=1 (the patches use the newest tested "
+                              "release's targets; re-verify the objective before trusting it)",
+                              RuntimeWarning, stacklevel=2)
+            return None
+        return (f"{shown} is newer than the tested range {SUPPORTED_MEGATRON_CORE} (megatron-core "
+                f"0.15.x-0.19.x); set {ALLOW_UNTESTED_ENV}=1 to run it with a warning")
+    return f"{shown} is outside the supported range {SUPPORTED_MEGATRON_CORE}: {OLDER_RELEASES_REFUSED}"
+
+
+def _ci_legs() -> str:
+    """One line per leg for .ci/run: ``core tag checkout python torch suite``."""
+    return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
+                               leg.suite)) for leg in TESTED)
+
+
+if __name__ == "__main__":
+    command = sys.argv[1] if len(sys.argv) > 1 else "ci-legs"
+    if command == "ci-legs":
+        print(_ci_legs())
+    elif command == "table":
+        print(tested_table())
+    elif command == "supported":
+        print(SUPPORTED_MEGATRON_CORE)
+    else:
+        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table|supported]")

@@ -15,7 +15,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
-_CPU = torch.device("cpu")
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -82,6 +81,9 @@ class _NoStream:
     def synchronize(self) -> None:
         return None
 
+    def wait_event(self, event: Any) -> None:
+        return None
+
 
 class _CudaOnCpu(_Proxy):
     """``torch.cuda`` as seen by one megatron module: the current device is the CPU.
@@ -95,6 +97,9 @@ class _CudaOnCpu(_Proxy):
 
     def __init__(self, real: Any, rng: bool, training: bool = False) -> None:
         super().__init__(real)
+        # megatron-core 0.19's DDP start_grad_sync always reads the current stream and waits on
+        # any CUDA-graph event a parameter carries (none on CPU): a no-op stream here
+        self.current_stream = lambda *a, **k: _NoStream()
         if rng or training:
             self.get_rng_state = _RandomOnCpu.get_rng_state
             self.set_rng_state = _set_cpu_rng_state
@@ -105,7 +110,6 @@ class _CudaOnCpu(_Proxy):
             self.set_device = lambda device: None
             self.empty_cache = lambda: None
             self.Stream = lambda *a, **k: _NoStream()
-            self.current_stream = lambda *a, **k: _NoStream()
             self.stream = lambda s: contextlib.nullcontext()
             self.memory_stats = lambda *a, **k: {}
             self.get_device_properties = lambda *a, **k: _NO_GPU_PROPERTIES

@@ -9,7 +9,9 @@ revert.
 
 A :class:`Patch` is a name, the megatron-core versions it supports (a ``packaging``
 ``SpecifierSet``), a WHY docstring, an optional precondition and a list of :class:`Target` s.
-A target is ``module path + attribute name + make(original) -> replacement``. The attribute may
+A target is ``module path + attribute name + make(original) -> replacement``, optionally with the
+megatron-core releases where it exists (``releases``: symbols move between releases, so each is
+looked up only where it lives; the patch's ``supported`` range covers the whole patch). The attribute may
 be dotted (``"SomeClass.method"``) to reach a class attribute; it must then be defined on that
 class itself (not inherited), so that revert can restore it exactly.
 
@@ -34,7 +36,7 @@ from typing import Any, Callable, Optional
 
 from packaging.specifiers import SpecifierSet
 
-from ..versions import in_range, installed_megatron_core_version
+from ..versions import in_range, installed_megatron_core_version, newer_than_supported, release_problem
 
 MARKER = "_megatron_pg_agg_patch"
 """Attribute set on every replacement: the name of the patch that installed it."""
@@ -48,6 +50,18 @@ class Target:
     attr: str
     make: Callable[[Any], Any]
     """``make(original) -> replacement``; called once per apply, after every check passed."""
+    releases: Optional[str] = None
+    """The megatron-core releases (a specifier set) where this target exists and is needed;
+    None: every release the patch supports. Outside it the target is not resolved or touched
+    (a symbol megatron-core added, moved or dropped in some release)."""
+
+    def __post_init__(self) -> None:
+        if self.releases is not None:
+            SpecifierSet(self.releases)  # fail at definition time on a malformed range
+
+    def applies_to(self, installed: str) -> bool:
+        """Whether this target is patched on megatron-core ``installed``."""
+        return self.releases is None or in_range(installed, self.releases)
 
     @property
     def qualname(self) -> str:
@@ -64,6 +78,8 @@ class StandIn:
     any other import error is raised, not hidden."""
     make: Callable[[str], types.ModuleType]
     """``make(module name) -> module``; called once per apply, only when the stand-in is needed."""
+    releases: Optional[str] = None
+    """The megatron-core releases that have the module (as ``Target.releases``); None: all."""
 
 
 @dataclass(frozen=True)
@@ -110,15 +126,26 @@ _STOOD_IN: dict[str, list[_StoodIn]] = {}
 """Patch name -> the stand-in modules it put in ``sys.modules``."""
 
 
-def check_version(patch: Patch) -> None:
-    """Raise ``RuntimeError`` unless the installed megatron-core is in ``patch.supported``."""
+def check_version(patch: Patch) -> str:
+    """Return the installed megatron-core release, or raise ``RuntimeError`` unless it is in
+    ``patch.supported`` (a newer release passes only under the documented override, with a
+    warning: :func:`megatron_pg_agg.versions.release_problem`)."""
     installed = installed_megatron_core_version()
-    if not in_range(installed, patch.supported):
-        raise RuntimeError(
-            f"patch {patch.name!r} supports megatron-core {patch.supported!r}, but megatron-core "
-            f"{installed} is installed; nothing was patched. Re-verify the patch against this "
-            f"release before widening its range."
-        )
+    if in_range(installed, patch.supported):
+        return installed
+    problem = release_problem(installed)
+    if problem is None and newer_than_supported(installed):
+        return installed  # newer than the range under the documented override (it warned)
+    raise RuntimeError(
+        f"patch {patch.name!r} supports megatron-core {patch.supported!r}, but megatron-core "
+        f"{installed} is installed; nothing was patched. "
+        + (problem or "Re-verify the patch against this release before widening its range.")
+    )
+
+
+def active_targets(patch: Patch, installed: str) -> tuple[Target, ...]:
+    """The targets of ``patch`` that exist on megatron-core ``installed`` (see ``Target.releases``)."""
+    return tuple(t for t in patch.targets if t.applies_to(installed))
 
 
 def _resolve(target: Target, patch_name: str) -> tuple[Any, str, Any]:
@@ -183,15 +210,16 @@ def apply(patch: Patch) -> bool:
     """
     if patch.name in _APPLIED:
         return False
-    check_version(patch)
+    installed = check_version(patch)
+    targets = active_targets(patch, installed)
     if patch.precondition is not None:
         patch.precondition()
-    stood_in = _stand_in(patch)
+    stood_in = _stand_in(patch, installed)
     try:
         if patch.verify is not None:
             patch.verify()
-        resolved = [_resolve(t, patch.name) for t in patch.targets]
-        for target, (_, _, current) in zip(patch.targets, resolved):
+        resolved = [_resolve(t, patch.name) for t in targets]
+        for target, (_, _, current) in zip(targets, resolved):
             other = getattr(current, MARKER, None)
             if other is not None:
                 raise RuntimeError(
@@ -202,7 +230,7 @@ def apply(patch: Patch) -> bool:
         _remove_stand_ins(stood_in)
         raise
     _STOOD_IN[patch.name] = stood_in
-    replacements = [t.make(current) for t, (_, _, current) in zip(patch.targets, resolved)]
+    replacements = [t.make(current) for t, (_, _, current) in zip(targets, resolved)]
     installed: list[_Installed] = []
     for (owner, leaf, current), replacement in zip(resolved, replacements):
         setattr(owner, leaf, _mark(replacement, current, patch.name))
@@ -238,11 +266,13 @@ def revert(patch: Patch | str) -> bool:
     return True
 
 
-def _stand_in(patch: Patch) -> list[_StoodIn]:
+def _stand_in(patch: Patch, installed: str) -> list[_StoodIn]:
     """Import each stand-in's real module; where it fails for the named missing package only,
     put the stand-in in ``sys.modules`` (and on its parent package). Returns what was stood in."""
     done: list[_StoodIn] = []
     for item in patch.stand_ins:
+        if item.releases is not None and not in_range(installed, item.releases):
+            continue
         try:
             importlib.import_module(item.module)
             continue

@@ -54,7 +54,7 @@ HOW (wrappers only, never a copy of an upstream function)
     ``torch.cuda`` and ``torch.Tensor``. The one global effect is the documented seeding of the
     CPU generator by ``model_parallel_cuda_manual_seed``.
 
-TARGETS (megatron-core >=0.16.0,<0.17)
+TARGETS (megatron-core >=0.15.0,<0.20; the same on every release)
     ``<module>.torch`` for every module in :data:`TORCH_PROXY_MODULES`;
     ``megatron.core.tensor_parallel.random._set_cuda_rng_state``;
     ``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving``

@@ -23,15 +23,16 @@ HOW (wrappers only, never a copy of an upstream function)
     * ``megatron.training.training.get_model`` runs under a torch-function mode in which
       ``Tensor.cuda()`` is the identity (``Module.cuda()`` moves parameters with it).
     * ``megatron.training.initialize._warmup_jit_function`` does nothing (CUDA kernels only).
-    * ``megatron.legacy.fused_kernels.load`` does nothing (it runs ``$CUDA_HOME/bin/nvcc``).
+    * ``megatron.legacy.fused_kernels.load`` does nothing (it runs ``$CUDA_HOME/bin/nvcc``;
+      the module exists up to core_v0.16).
     * ``megatron.core.datasets.utils.compile_helpers`` skips ``make`` when the installed
       ``helpers_cpp`` extension imports (the package ships it built, without its sources).
     * A stand-in for ``batch_invariant_kernels`` (only when triton is missing): batch-invariant
       mode reads as off, and turning it on raises with a message saying it needs triton on a GPU.
 
-TARGETS: see :data:`PATCH` (megatron-core >=0.16.0,<0.17 with a Megatron-LM core_v0.16.x
-checkout, recognised by ``pretrain``'s signature). Apply :mod:`.cpu_gloo` too: this patch covers
-only the training side.
+TARGETS: see :data:`PATCH` (megatron-core 0.15.x-0.19.x with the Megatron-LM checkout of the same
+minor release, recognised by :mod:`._megatron_lm_release`; targets that exist only in some releases
+name their range). Apply :mod:`.cpu_gloo` too: this patch covers only the training side.
 """
 from __future__ import annotations
 
@@ -52,7 +53,6 @@ SUPPORTED = SUPPORTED_MEGATRON_CORE
 TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.training.initialize",  # device_count gates mpu init and RNG seeding; set_device
     "megatron.training.training",  # device='cuda' flags and counters, streams, empty_cache, memory stats
-    "megatron.training.utils",  # grad-norm and stat buffers, memory report
     "megatron.training.checkpointing",  # iteration tensor, CUDA RNG state saved and restored
     "megatron.core.timers",  # barrier timers: device='cuda' buffers
     "megatron.core.rerun_state_machine",  # CUDA RNG state around reruns
@@ -63,6 +63,12 @@ TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.strategies.async_utils",  # synchronize, liveness flags
     "megatron.core.dist_checkpointing.exchange_utils",  # empty_like(device='cuda') buffers
 )
+
+TRAINING_UTILS = ("megatron.training.utils", "<0.18")
+"""Grad-norm and stat buffers, the memory report: a module until core_v0.17, then the package
+``megatron.training.utils`` whose functions live in ``utils.common_utils`` (the package's own
+``torch`` would proxy nothing)."""
+TRAINING_COMMON_UTILS = ("megatron.training.utils.common_utils", ">=0.18")
 
 BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
@@ -124,14 +130,18 @@ PATCH = Patch(
     supported=SUPPORTED,
     why=__doc__,
     precondition=_require_cpu_only,
-    stand_ins=(StandIn(BATCH_INVARIANT_KERNELS, "triton", _batch_invariant_stand_in),),
+    # batch_invariant_kernels exists from megatron-core 0.16 (0.15's training side never imports it)
+    stand_ins=(StandIn(BATCH_INVARIANT_KERNELS, "triton", _batch_invariant_stand_in, releases=">=0.16"),),
     verify=check_checkout,
     targets=tuple(Target(m, "torch", make_torch_proxy(training=True)) for m in TORCH_PROXY_MODULES)
+    + tuple(Target(m, "torch", make_torch_proxy(training=True), releases=r)
+            for m, r in (TRAINING_UTILS, TRAINING_COMMON_UTILS))
     + (
         Target("megatron.training.training", "initialize_megatron", _make_allow_no_cuda),
         Target("megatron.training.training", "get_model", under_mode(_TensorCudaIsIdentity)),
         Target("megatron.training.initialize", "_warmup_jit_function", _make_noop),
-        Target("megatron.legacy.fused_kernels", "load", _make_noop),
+        # megatron.legacy.fused_kernels is gone from core_v0.17 (nothing there compiles kernels)
+        Target("megatron.legacy.fused_kernels", "load", _make_noop, releases="<0.17"),
         Target("megatron.core.datasets.utils", "compile_helpers", _make_compile_helpers),
     ),
 )

@@ -17,6 +17,7 @@ HOW
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -57,12 +58,18 @@ def remove_observer(fn: Callable[[TrainingLogEvent], None]) -> None:
 
 
 def _make_training_log(original):
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, *args, **kwargs):
-        result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                          report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
-        event = TrainingLogEvent(iteration=int(iteration), loss_dict=dict(loss_dict),
-                                 learning_rate=learning_rate, skipped_iter=int(skipped_iter),
+    """Bind the call to ``original``'s own signature and read the fields by name: the positions
+    differ between releases (core_v0.15 has ``decoupled_learning_rate`` fourth, so a positional
+    wrapper would read the learning rate as the iteration and so on, without any error)."""
+    signature = inspect.signature(original)
+
+    def training_log(*args, **kwargs):
+        result = original(*args, **kwargs)
+        got = signature.bind(*args, **kwargs).arguments
+        grad_norm = got.get("grad_norm")
+        event = TrainingLogEvent(iteration=int(got["iteration"]), loss_dict=dict(got["loss_dict"]),
+                                 learning_rate=got.get("learning_rate"),
+                                 skipped_iter=int(got.get("skipped_iter", 0)),
                                  grad_norm=None if grad_norm is None else float(grad_norm))
         for fn in list(_OBSERVERS):
             fn(event)

@@ -48,7 +48,7 @@ HOW (wrappers only, never a copy of an upstream function)
       ``1 / M_total``), or under ``calculate_per_token_loss=False`` while one is set (it would
       rescale Megatron's own averaging), raises ``RuntimeError``.
 
-TARGETS (megatron-core >=0.16.0,<0.17)
+TARGETS (megatron-core >=0.15.0,<0.20; the same on every release)
     ``megatron.core.transformer.moe.router.TopKRouter.attach_and_log_load_balancing_loss``,
     ``megatron.core.transformer.moe.router.TopKRouter.apply_z_loss``,
     ``megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler.set_loss_scale``.

@@ -29,10 +29,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.dist)
 
 
+THIRD_PARTY = ROOT.parent / "shared" / "third_party"
+
+
+def _installed_minor():
+    from megatron_pg_agg.versions import installed_megatron_core_version
+
+    major, minor = installed_megatron_core_version().split(".")[:2]
+    return major, minor
+
+
 def find_megatron_lm():
-    """``$MEGATRON_LM_PATH``, else ``../shared/third_party/Megatron-LM``; None without a checkout."""
-    path = Path(os.environ.get("MEGATRON_LM_PATH") or ROOT.parent / "shared" / "third_party" / "Megatron-LM")
+    """``$MEGATRON_LM_PATH``, else the training side in ``../shared/third_party`` of the installed
+    megatron-core's release (the tested-versions table, ``versions.TESTED``, names the folder);
+    None without a checkout."""
+    from megatron_pg_agg.versions import TESTED
+
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path:
+        major, minor = _installed_minor()
+        folders = [leg.checkout for leg in TESTED if leg.megatron_core.split(".")[:2] == [major, minor]]
+        path = THIRD_PARTY / (folders[0] if folders else "Megatron-LM")
+    path = Path(path)
     return path if (path / "megatron" / "training").is_dir() else None
+
+
+def _missing(reason: str):
+    """Skip with ``reason`` on a user's machine; fail under MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM=1."""
+    if os.environ.get(REQUIRE_MEGATRON_LM) == "1":
+        pytest.fail(f"{REQUIRE_MEGATRON_LM}=1 but {reason}")
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -41,11 +67,20 @@ def megatron_lm_checkout() -> Path:
     (a user's machine); with MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM=1 (.ci/run) that is a failure."""
     found = find_megatron_lm()
     if found is None:
-        reason = ("no Megatron-LM checkout: set MEGATRON_LM_PATH or place one at "
-                  "../shared/third_party/Megatron-LM")
-        if os.environ.get(REQUIRE_MEGATRON_LM) == "1":
-            pytest.fail(f"{REQUIRE_MEGATRON_LM}=1 but {reason}")
-        pytest.skip(reason)
+        _missing("no Megatron-LM checkout: set MEGATRON_LM_PATH or place the training side of the installed "
+                 "megatron-core's release in ../shared/third_party (see versions.TESTED)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def third_party_checkouts() -> dict:
+    """``{folder: path}`` of every training side the tested-versions table names."""
+    from megatron_pg_agg.versions import TESTED
+
+    found = {leg.checkout: THIRD_PARTY / leg.checkout for leg in TESTED}
+    absent = [name for name, path in found.items() if not (path / "megatron" / "training").is_dir()]
+    if absent:
+        _missing(f"training sides missing from {THIRD_PARTY}: {absent}")
     return found
 
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from megatron_pg_agg import patches
+from megatron_pg_agg import patches, versions
 from megatron_pg_agg.patches import _machinery, cpu_gloo
 from megatron_pg_agg.patches._machinery import MARKER, Patch, Target
 
@@ -80,14 +80,62 @@ def test_revert_restores_the_original_objects():
     _assert_untouched(before)
 
 
-def test_unsupported_version_raises_before_touching_anything(monkeypatch):
+def test_an_older_release_is_refused_with_the_reason_before_touching_anything(monkeypatch):
     before = _snapshot()
-    monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: "0.15.2")
+    monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: "0.14.1")
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV, "1")  # never overrides an older release
     with pytest.raises(RuntimeError) as err:
         patches.apply_megatron_patches()
     msg = str(err.value)
-    assert "cpu_gloo" in msg and "0.15.2" in msg and cpu_gloo.SUPPORTED in msg
+    assert "cpu_gloo" in msg and "0.14.1" in msg and cpu_gloo.SUPPORTED in msg
+    assert "before 0.15" in msg and "grad_finalize_pgs" in msg  # the reason, not just the range
     _assert_untouched(before)
+
+
+def test_a_newer_release_is_refused_naming_the_range_unless_the_override_is_set(monkeypatch):
+    """Catches a range check that lets 0.20 through silently, or an override that is ignored."""
+    before = _snapshot()
+    monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: "0.20.0")
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(RuntimeError) as err:
+        patches.apply_megatron_patches()
+    assert "0.20.0" in str(err.value) and versions.SUPPORTED_MEGATRON_CORE in str(err.value)
+    assert versions.ALLOW_UNTESTED_ENV in str(err.value)
+    _assert_untouched(before)
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV, "1")
+    monkeypatch.setattr(versions, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="megatron-core 0.20.0 is newer than the tested range"):
+        assert patches.apply_megatron_patches() == ["cpu_gloo"]
+
+
+def test_every_supported_release_passes_the_version_check(monkeypatch):
+    for release in ("0.15.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+        monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda r=release: r)
+        assert _machinery.check_version(PATCH) == release
+
+
+def test_a_target_with_its_own_range_is_touched_only_on_those_releases(monkeypatch):
+    """A symbol megatron-core dropped in some release: outside the target's range it is neither
+    resolved nor replaced (else the patch would fail there), inside it is wrapped."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    original = schedules.get_forward_backward_func
+    toy = Patch(name="toy_ranges", supported=cpu_gloo.SUPPORTED, why="test", targets=(
+        Target("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func",
+               lambda o: lambda *a, **k: o(*a, **k), releases="<0.17"),
+        Target("megatron.core.no_such_module_after_0_17", "x", lambda o: o, releases=">=0.17"),
+    ))
+    monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: "0.16.1")
+    assert _machinery.apply(toy)
+    try:
+        assert schedules.get_forward_backward_func.__wrapped__ is original
+    finally:
+        _machinery.revert(toy)
+    assert schedules.get_forward_backward_func is original
+    monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: "0.18.2")
+    with pytest.raises(RuntimeError, match="no_such_module_after_0_17"):
+        _machinery.apply(toy)
+    assert schedules.get_forward_backward_func is original
 
 
 def test_prerelease_inside_range_is_accepted(monkeypatch):
