@@ -516,10 +516,10 @@ def _pretrain(release, args, actor) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    from .worker_process import die_with_launcher, quiet_cpu_fallbacks, release_process_group
+    from .worker_process import die_with_launcher, quiet_startup_noise, release_process_group
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    quiet_cpu_fallbacks(PG_PREFIX)
+    quiet_startup_noise(PG_PREFIX)
     die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
     _single_process_defaults()
     try:

@@ -55,10 +55,18 @@ _CONTRACT = dict(
     # variable_seq_lengths=True even without experts.
     variable_seq_lengths=False,
     moe_token_dispatcher_type="alltoall",
-    # the same as megatron-core's default "full", without the deprecation warning that default
-    # itself raises in 0.16 (no CUDA graphs are captured either way)
-    cuda_graph_scope=[],
 )
+
+
+def _no_cuda_graph_modules() -> dict:
+    """No CUDA-graph modules, under the field name of the installed release: ``cuda_graph_scope``
+    up to 0.17, ``cuda_graph_modules`` from 0.18 (which deprecates the old name and warns on it).
+    The same as megatron-core's default "full" (no CUDA graphs are captured either way), without
+    the deprecation warning that default itself raises in 0.16."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(TransformerConfig)}
+    return {"cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope": []}
 
 JIT_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion")
 """Fusions megatron-core compiles itself (torch JIT / its own kernels): CUDA only."""
@@ -98,7 +106,7 @@ def transformer_config(**overrides) -> TransformerConfig:
     ``context_parallel_size``); they must match ``parallel_state``. The tiny models of the parity
     harness and the tests are ``megatron_pg_agg.parity.models.tiny_transformer_config``.
     """
-    return TransformerConfig(**{**_CONTRACT, **device_settings(), **overrides})
+    return TransformerConfig(**{**_CONTRACT, **_no_cuda_graph_modules(), **device_settings(), **overrides})
 
 
 def te_usable() -> bool:

@@ -23,7 +23,7 @@ from typing import Optional
 
 from .atomic_files import atomic_write
 from .run_config import RunConfig, StartupError, build_parser
-from .worker_process import die_with_launcher, keep_freed_memory, quiet_cpu_fallbacks, release_process_group
+from .worker_process import die_with_launcher, keep_freed_memory, quiet_startup_noise, release_process_group
 
 
 class NonFiniteStepError(RuntimeError):
@@ -522,7 +522,7 @@ def _save(s: Session) -> None:
 
 def main(argv=None) -> int:
     keep_freed_memory()
-    quiet_cpu_fallbacks("[train]")
+    quiet_startup_noise("[train]")
     namespace = build_parser().parse_args(argv)
     try:
         train(RunConfig.from_args(namespace))

@@ -30,8 +30,10 @@ def main() -> None:
     os.environ["MASTER_PORT"] = str(free_port())
     sys.path.insert(0, checkout)
     from megatron_pg_agg.patches import apply_megatron_patches
+    from megatron_pg_agg.patches._megatron_lm_release import check_checkout
 
     apply_megatron_patches(cpu_gloo=True, megatron_lm_cpu=True)
+    release = check_checkout()
 
     import torch
     from gpt_builders import gpt_builder
@@ -41,13 +43,18 @@ def main() -> None:
     from megatron.training.training import get_model
     from model_provider import model_provider
 
-    from megatron_pg_agg.megatron_lm import add_actor_args
+    from megatron_pg_agg.megatron_lm import ARGS_DEFAULTS, add_actor_args
     from megatron_pg_agg.thd_attention import use_thd_core_attention
     from megatron_pg_agg.trainer import synthetic_rollouts
 
     sys.argv = [sys.argv[0], *flags]
-    initialize_megatron(extra_args_provider=add_actor_args, args_defaults={"dataloader_type": "external"},
-                        allow_no_cuda=True)
+    if release.uses_config_container:  # core_v0.18+: the flags are parsed before initialisation
+        from megatron.training.arguments import parse_and_validate_args
+
+        parse_and_validate_args(extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS)
+        initialize_megatron(allow_no_cuda=True)
+    else:
+        initialize_megatron(extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS, allow_no_cuda=True)
     args = get_args()
     model = get_model(partial(model_provider, gpt_builder), wrap_with_ddp=False)
     load_checkpoint(model, None, None)

@@ -1,0 +1,67 @@
+"""The supported range, the packaging metadata and the tested-versions table (one source)."""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from megatron_pg_agg import versions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_installed_metadata_takes_torch_and_megatron_core_as_ranges_not_pins():
+    """Catches an exact torch pin in install_requires (pip would replace a GPU node's CUDA torch)
+    and a megatron-core range that drifted from versions.py."""
+    requires = [Requirement(r) for r in importlib.metadata.requires("megatron_pg_agg") if "extra ==" not in r]
+    by_name = {r.name: r for r in requires}
+    torch = by_name["torch"].specifier
+    assert not any(s.operator in ("==", "===", "~=") for s in torch), torch
+    for release in ("2.6.0", "2.13.0", "2.14.1"):
+        assert torch.contains(release), (torch, release)
+    core = by_name["megatron-core"].specifier
+    assert str(core) == str(Requirement("megatron-core" + versions.SUPPORTED_MEGATRON_CORE).specifier)
+    for release in ("0.15.0", "0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+        assert core.contains(release), release
+    for release in ("0.14.0", "0.20.0"):
+        assert not core.contains(release), release
+
+
+def test_the_readme_table_is_the_tested_legs():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- tested-versions:[^\n]*-->\n(.*?)\n<!-- /tested-versions -->", readme, re.S)
+    assert block and block.group(1).strip() == versions.tested_table()
+    for leg in versions.TESTED:  # every row is a leg, in the order .ci/run runs them
+        assert f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} |" in block.group(1)
+
+
+def test_ci_runs_the_legs_of_versions_py():
+    """.ci/run reads its legs from versions.py (the same rows as the README's table), and every
+    leg is inside the supported range, of the checkout's release."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "megatron_pg_agg/versions.py ci-legs" in ci
+    lines = versions._ci_legs().splitlines()
+    assert len(lines) == len(versions.TESTED) >= 5
+    for line, leg in zip(lines, versions.TESTED):
+        core, tag, checkout, python, torch, suite = line.split()
+        assert versions.in_range(core) and suite in ("full", "unit+megatron-lm")
+        assert tag.startswith("core_v" + ".".join(core.split(".")[:2]))
+        assert checkout == leg.checkout
+    assert {leg.megatron_core.rsplit(".", 1)[0] for leg in versions.TESTED} == {"0.15", "0.16", "0.17", "0.18", "0.19"}
+    assert sum(leg.suite == "full" for leg in versions.TESTED) == 2
+
+
+def test_releases_outside_the_range_are_refused_with_reasons(monkeypatch):
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    for release in ("0.15.0", "0.16.1", "0.19.2", "0.19.3rc1"):
+        assert versions.release_problem(release) is None, release
+    older = versions.release_problem("0.14.0")
+    assert "0.14.0" in older and "before 0.15" in older
+    newer = versions.release_problem("0.20.1")
+    assert "0.20.1 is newer than the tested range" in newer and versions.ALLOW_UNTESTED_ENV in newer
+    assert "0.15.x-0.19.x" in newer
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV, "1")
+    assert versions.release_problem("0.14.0") is not None  # never for older releases
+    assert versions.release_problem("not-a-version") is not None
