@@ -4,8 +4,8 @@
     python benchmarks/parity_table.py parity.json             # print the markdown table
     python benchmarks/parity_table.py parity.json --readme README.md   # replace the table there
 
-tests/distributed/test_parity.py checks that README.md's table matches the JSON of the suite it runs, to
-the printed precision.
+tests/distributed/test_parity.py checks README.md's table against the JSON of the suite it runs, in
+what is stable across machines (rows, verdicts, errors within their tolerances, reference J to 1e-5).
 """
 import argparse
 import json

@@ -68,24 +68,39 @@ def router_loss_pairs(model_chunks, num_microbatches: int, *, device=None) -> to
     rank, after each training step (no collective here; no host sync).
     """
     import torch.distributed as dist
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-    )
 
-    tracker = get_moe_layer_wise_logging_tracker()
+    tracker, clear = _router_loss_tracker()
     out = torch.zeros(len(ROUTER_LOSS_NAMES), 2, dtype=torch.float64, device=device)
     routers = _local_routers(model_chunks)
     for i, name in enumerate(ROUTER_LOSS_NAMES):
         entry = tracker.get(name)
         if entry is None or routers == 0:
             continue
-        out[i, 0] = entry["values"].double().sum().to(out.device)
-        group = entry.get("reduce_group")
+        values, group = entry
+        out[i, 0] = values.double().sum().to(out.device)
         first = group is None or dist.get_rank(group=group) == 0
         out[i, 1] = float(routers * num_microbatches) if first else 0.0
-    clear_aux_losses_tracker()
+    clear()
     return out
+
+
+def _router_loss_tracker():
+    """``({name: (per-layer values, reduce group)}, clear)`` of megatron-core's router-loss
+    tracker, looked up per release: from 0.18 it is ``moe_logging.get_moe_metrics_tracker()``
+    (``moe_utils.clear_aux_losses_tracker`` is then a deprecated wrapper that warns on every call);
+    up to 0.17 the ``moe_utils`` functions."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # megatron-core <= 0.17
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+
+        legacy = get_moe_layer_wise_logging_tracker()
+        return {k: (e["values"], e.get("reduce_group")) for k, e in legacy.items()}, clear_aux_losses_tracker
+    tracker = get_moe_metrics_tracker()
+    return {k: (e.values, e.reduce_group) for k, e in tracker.metrics.items()}, tracker.clear
 
 
 def router_loss_values(pairs: torch.Tensor) -> dict:

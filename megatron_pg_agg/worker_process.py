@@ -84,7 +84,7 @@ KNOWN_NOISE: tuple[KnownNoise, ...] = (
                "megatron-core's local kernels stand in (each module warns once per process)", cpu_fallback=True),
     KnownNoise(r"Apex is not installed\. Falling back to Torch Norm", "torch norms stand in", cpu_fallback=True),
     KnownNoise(r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version is 0\.0\.0",
-               "without TE the local expert implementation is used", releases=">=0.19", cpu_fallback=True),
+               "without TE the local expert implementation is used", releases=">=0.18", cpu_fallback=True),
     KnownNoise(r"MimoModelConfig is experimental", "an import-time notice of a model class this project never "
                "builds", releases=">=0.17"),
     KnownNoise(r"absl\.logging is not installed", "megatron-core's grid falls back to the logging module",

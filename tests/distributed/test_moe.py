@@ -186,12 +186,13 @@ def test_patch_wraps_its_targets_and_reverts_exactly(clean):
         assert current(t) is before[t.qualname]
 
 
-@pytest.mark.parametrize("version", ["0.15.2", "0.17.0"])
-def test_version_gate_refuses_outside_0_16_before_touching_anything(clean, monkeypatch, version):
+@pytest.mark.parametrize("version", ["0.14.0", "0.20.0"])
+def test_version_gate_refuses_outside_the_supported_range_before_touching_anything(clean, monkeypatch, version):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     original = vars(MoEAuxLossAutoScaler)["set_loss_scale"]
     monkeypatch.setattr(_machinery, "installed_megatron_core_version", lambda: version)
+    monkeypatch.delenv("MEGATRON_PG_AGG_ALLOW_UNTESTED_MEGATRON", raising=False)
     with pytest.raises(RuntimeError) as err:
         patches.apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
     assert "moe_aux_loss" in str(err.value) and version in str(err.value) and moe_aux_loss.SUPPORTED in str(err.value)

@@ -78,11 +78,16 @@ def test_megatron_core_outside_the_supported_range_is_refused(monkeypatch):
     import megatron_pg_agg.run_config as run_config
 
     cfg = RunConfig.from_args(build_parser().parse_args([]))
-    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.17.0")
-    with pytest.raises(StartupError, match="megatron-core 0.17.0 is outside the supported range"):
+    monkeypatch.delenv("MEGATRON_PG_AGG_ALLOW_UNTESTED_MEGATRON", raising=False)
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.14.0")
+    with pytest.raises(StartupError, match="megatron-core 0.14.0 is outside the supported range"):
         cfg.validate(2, backend="gloo", te=False)
-    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.16.1")
-    cfg.validate(2, backend="gloo", te=False)
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.20.0")
+    with pytest.raises(StartupError, match="megatron-core 0.20.0 is newer than the tested range"):
+        cfg.validate(2, backend="gloo", te=False)
+    for release in ("0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+        monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda r=release: r)
+        cfg.validate(2, backend="gloo", te=False)
 
 
 # ----------------------------------------------------------------------------- non-finite steps

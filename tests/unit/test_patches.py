@@ -190,6 +190,42 @@ def test_shim_redirects_cuda_only_inside_megatron_modules():
         torch.zeros(1, device="cuda")
 
 
+def test_ddp_grad_sync_runs_on_cpu_on_this_release():
+    """megatron-core 0.19's ``start_grad_sync`` always reads ``torch.cuda.current_stream()`` and
+    waits on each parameter's CUDA-graph event: a real DDP model's grad sync (the path
+    finalize_model_grads takes) must run on CPU under the patch. Catches a proxy without
+    ``current_stream``/``wait_event`` ("Torch not compiled with CUDA" on a CPU torch, or no
+    device on a CUDA build)."""
+    import torch.distributed as dist
+
+    from megatron_pg_agg.model import build_model_chunks, wrap_in_ddp
+    from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel
+    from megatron_pg_agg.parity.models import tiny_transformer_config
+
+    patches.apply_megatron_patches()
+    from megatron.core.distributed import param_and_grad_buffer
+
+    stream = param_and_grad_buffer.torch.cuda.current_stream()
+    assert stream.wait_event(object()) is None
+    owns_group = not dist.is_initialized()
+    init_distributed()
+    init_parallel(tp=1, pp=1)
+    try:
+        config = tiny_transformer_config(num_layers=1)
+        chunks = wrap_in_ddp(build_model_chunks(config, 64, 32, share_embeddings_and_output_weights=False), config)
+        out = chunks[0](torch.randint(0, 64, (1, 8)), torch.arange(8)[None], None)
+        out.float().sum().backward()
+        for chunk in chunks:
+            chunk.start_grad_sync()
+            chunk.finish_grad_sync()
+        grads = [p.main_grad for c in chunks for p in c.parameters() if p.requires_grad]
+        assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    finally:
+        teardown_parallel()
+        if owns_group:
+            dist.destroy_process_group()
+
+
 def test_rng_tracker_forks_the_cpu_generator():
     from megatron.core import tensor_parallel
 
