@@ -145,14 +145,17 @@ def check_release(release: CheckoutRelease) -> None:
 
 
 def loaded_checkout_root() -> str:
-    """The root of the Megatron-LM checkout that ``megatron.training`` is imported from."""
-    try:
-        from megatron import training
-    except ImportError as exc:
+    """The root of the Megatron-LM checkout that ``megatron.training`` would be imported from,
+    found without importing it: a training side of another release may fail to import against
+    the installed megatron-core, and the refusal must name the versions, not that error."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is None or not spec.submodule_search_locations:
         raise UnsupportedMegatronLM(
-            f"megatron.training cannot be imported ({exc}): put a Megatron-LM checkout ({SUPPORTED_TAGS}) "
-            "on the path (--megatron-lm PATH or MEGATRON_LM_PATH)") from exc
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(training.__file__))))
+            f"no megatron.training on the path: put a Megatron-LM checkout ({SUPPORTED_TAGS}) there "
+            "(--megatron-lm PATH or MEGATRON_LM_PATH)")
+    return os.path.dirname(os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0])))
 
 
 def check_checkout() -> CheckoutRelease:
@@ -160,7 +163,12 @@ def check_checkout() -> CheckoutRelease:
     the installed megatron-core, then import ``pretrain`` and check its signature."""
     release = checkout_release(loaded_checkout_root())
     check_release(release)
-    from megatron.training import training
+    try:
+        from megatron.training import training
+    except ImportError as exc:
+        raise UnsupportedMegatronLM(
+            f"megatron.training of {release.root} ({release.tag}) cannot be imported ({exc}); install its "
+            "imports (pip install -e '.[megatron-lm]')") from exc
 
     check_pretrain_signature(training.pretrain, release.minor)
     return release

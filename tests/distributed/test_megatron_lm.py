@@ -311,3 +311,42 @@ def test_kill_after_a_save_and_resume_equals_the_uninterrupted_run(checkout, wor
         ref = whole[ours["iteration"] - 1]
         assert ref["iteration"] == ours["iteration"]
         assert ours["objective"] == ref["objective"] and ours["grad_norm"] == ref["grad_norm"], (ours, ref)
+
+
+def _fake_checkout(tmp: Path, real: Path, minor: int) -> Path:
+    """A checkout whose megatron/core/package_info.py names 0.<minor>.0 and whose training side is
+    the real one (a link): what a user's git checkout of another tag looks like to the entry."""
+    root = tmp / f"Megatron-LM-0.{minor}"
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 0\n")
+    for part in (real / "megatron").iterdir():
+        (root / "megatron" / part.name).symlink_to(part)
+    for name in ("gpt_builders.py", "model_provider.py"):
+        (root / name).symlink_to(real / name)
+    return root
+
+
+def test_mismatched_and_untested_checkouts_exit_2_naming_the_versions(checkout, work):
+    """The real script, as a user runs it: a checkout of another minor release than the installed
+    megatron-core, and one newer than the tested range (refused; with the override it warns and
+    is then refused as a mismatch), each exit 2 before any model, naming both versions or the range.
+    Catches a release check that reads only pretrain()'s signature (the same 0.15 to 0.17)."""
+    from megatron_pg_agg import versions
+
+    installed = versions.installed_megatron_core_version()
+    minor = int(installed.split(".")[1])
+    other = _fake_checkout(work, checkout, 17 if minor != 17 else 16)
+    newer = _fake_checkout(work, checkout, 20)
+    base = [*TINY, *LOSS, "--train-iters", "1"]
+    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", other, *base), LAUNCH_S, "mismatched checkout")
+    assert rc == 2, out[-5000:]
+    assert f"core_v0.{17 if minor != 17 else 16}.0" in out and f"megatron-core {installed}" in out, out[-5000:]
+    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", newer, *base), LAUNCH_S, "newer checkout")
+    assert rc == 2 and "core_v0.20.0" in out and versions.SUPPORTED_MEGATRON_CORE in out, out[-5000:]
+    assert versions.ALLOW_UNTESTED_ENV in out and "[pg] iteration" not in out
+    from tests.support.launching import child_env
+
+    env = child_env(**{versions.ALLOW_UNTESTED_ENV: "1"})
+    env.pop("PYTHONWARNINGS")  # the override's warning shows, as for a user
+    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", newer, *base), LAUNCH_S, "newer checkout, override", env=env)
+    assert rc == 2 and "newer than the tested range" in out and f"megatron-core {installed}" in out, out[-5000:]
