@@ -1,13 +1,15 @@
 """The loss-function provider for Megatron-core's forward-backward schedules.
 
-Contract (megatron-core 0.16, ``pipeline_parallel/schedules.py`` and
+Contract (the same in megatron-core 0.15 to 0.19, ``pipeline_parallel/schedules.py`` and
 ``distributed/finalize_model_grads.py``): with ``config.calculate_per_token_loss=True`` a loss_func
 returning ``(loss, num_tokens, report)`` has its ``loss`` back-propagated unchanged and its integer
 ``num_tokens`` summed over microbatches; ``finalize_model_grads`` broadcasts that sum from the last
 pipeline stage, all-reduces it over DP x CP and divides every gradient by it. Returning
 ``(sum_t c_t pg_t + ..., sum_t k_t, report)`` per microbatch (see :mod:`megatron_pg_agg.losses`)
 therefore gives exactly ``J`` for every layout and microbatch split. Nothing is reduced over TP:
-every TP rank computes the same loss and count.
+every TP rank computes the same loss and count. (From 0.18 ``finalize_model_grads`` divides by
+``max(count, 1)`` instead of skipping a zero count; a step with ``W = 0`` has zero gradients
+either way.)
 """
 from __future__ import annotations
 

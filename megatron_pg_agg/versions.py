@@ -112,11 +112,14 @@ def in_range(installed: str, supported: str = SUPPORTED_MEGATRON_CORE) -> bool:
 
 
 def newer_than_supported(installed: str) -> bool:
-    """Whether ``installed`` is above every release of :data:`SUPPORTED_MEGATRON_CORE`."""
+    """Whether ``installed`` is a minor release at or above the range's upper bound (the ``<``
+    of :data:`SUPPORTED_MEGATRON_CORE`; its pre-releases count as that release)."""
+    from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
     version = _version(installed)
-    return version is not None and Version(f"{version.major}.{version.minor}") >= Version("0.20")
+    uppers = [Version(s.version) for s in SpecifierSet(SUPPORTED_MEGATRON_CORE) if s.operator == "<"]
+    return version is not None and bool(uppers) and Version(f"{version.major}.{version.minor}") >= min(uppers)
 
 
 def untested_allowed() -> bool:
@@ -145,8 +148,8 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
                               "release's targets; re-verify the objective before trusting it)",
                               RuntimeWarning, stacklevel=2)
             return None
-        return (f"{shown} is newer than the tested range {SUPPORTED_MEGATRON_CORE} (megatron-core "
-                f"0.15.x-0.19.x); set {ALLOW_UNTESTED_ENV}=1 to run it with a warning")
+        return (f"{shown} is newer than the tested range {SUPPORTED_MEGATRON_CORE}; set "
+                f"{ALLOW_UNTESTED_ENV}=1 to run it with a warning")
     return f"{shown} is outside the supported range {SUPPORTED_MEGATRON_CORE}: {OLDER_RELEASES_REFUSED}"
 
 

@@ -4,20 +4,23 @@ Every patch is a :class:`~megatron_pg_agg.patches._machinery.Patch`: it names th
 releases it supports, checks the installed release and resolves every target *before* touching
 anything, wraps (never copies) the upstream functions, is idempotent and can be reverted exactly.
 
+Every patch supports megatron-core 0.15.x to 0.19.x (``megatron_pg_agg.versions``); a target that
+exists only in some releases names its own range (``Target.releases``).
+
 Patches
-    ``cpu_gloo`` (:mod:`.cpu_gloo`), megatron-core >=0.16.0,<0.17: runs schedules, DDP,
+    ``cpu_gloo`` (:mod:`.cpu_gloo`): runs schedules, DDP,
     tensor-parallel layers and GPTModel on CPU with gloo by redirecting megatron-core's CUDA
     buffers, synchronisation, causal mask, RNG tracker and ``Tensor.cuda()`` (tied embeddings,
     PP > 1) to the CPU. CPU-only: refuses to apply when CUDA is available. Targets and reasons are
     listed in its module docstring.
-    ``megatron_lm_cpu`` (:mod:`.megatron_lm_cpu`), the same range with a Megatron-LM
-    core_v0.16.x checkout: lets Megatron-LM's own ``pretrain()`` run on CPU (device-'cuda'
-    counters, streams, memory stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a
+    ``megatron_lm_cpu`` (:mod:`.megatron_lm_cpu`), with the Megatron-LM checkout of the
+    installed megatron-core's minor release (:mod:`._megatron_lm_release`): lets Megatron-LM's
+    own ``pretrain()`` run on CPU (device-'cuda' counters, streams, memory stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a
     stand-in for the one triton-importing module). CPU-only.
-    ``megatron_lm_log`` (:mod:`.megatron_lm_log`), same range: wraps Megatron-LM's
+    ``megatron_lm_log`` (:mod:`.megatron_lm_log`), same checkout check: wraps Megatron-LM's
     ``training_log`` to hand each iteration's reduced report to registered observers (its console
     drops values that are not > 0). Any device.
-    ``moe_aux_loss`` (:mod:`.moe_aux_loss`), same range: MoE router aux/z losses keep Megatron's
+    ``moe_aux_loss`` (:mod:`.moe_aux_loss`): MoE router aux/z losses keep Megatron's
     default strength under ``calculate_per_token_loss`` (token multiply off, a per-step factor
     ``W / M_total`` set by :func:`.moe_aux_loss.set_moe_aux_loss_scale`). Any device.
 
