@@ -79,18 +79,27 @@ def tested_table() -> str:
     return "\n".join(rows)
 
 
-def installed_megatron_core_version() -> str:
-    """The installed megatron-core version (the distribution metadata, else ``package_info`` of a
-    source checkout on PYTHONPATH). Tests monkeypatch it where it is imported (the patch machinery,
-    :mod:`megatron_pg_agg.run_config`) to simulate another release."""
+def distribution_version() -> str | None:
+    """The installed megatron-core distribution's version from its metadata alone, without
+    importing ``megatron.core`` (whose import emits the start-up warnings); None without one."""
     import importlib.metadata
 
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
-        from megatron.core import package_info
+        return None
 
-        return package_info.__version__
+
+def installed_megatron_core_version() -> str:
+    """The installed megatron-core version (the distribution metadata, else ``package_info`` of a
+    source checkout on PYTHONPATH). Tests monkeypatch it where it is imported (the patch machinery,
+    :mod:`megatron_pg_agg.run_config`) to simulate another release."""
+    found = distribution_version()
+    if found is not None:
+        return found
+    from megatron.core import package_info
+
+    return package_info.__version__
 
 
 def _version(text: str):
@@ -165,7 +174,5 @@ if __name__ == "__main__":
         print(_ci_legs())
     elif command == "table":
         print(tested_table())
-    elif command == "supported":
-        print(SUPPORTED_MEGATRON_CORE)
     else:
-        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table|supported]")
+        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table]")

@@ -126,14 +126,12 @@ def quiet_startup_noise(prefix: str) -> None:
     """Silence exactly :data:`KNOWN_NOISE` for the installed release (warnings by message and
     category, log records by logger and message; every other message still shows) and say in
     one line, on rank 0, which fallbacks are in use. Call before importing megatron.core."""
-    import importlib.metadata
     import importlib.util
 
+    from .versions import distribution_version
+
     te = importlib.util.find_spec("transformer_engine") is not None
-    try:  # the distribution's metadata only: importing megatron.core would emit the warnings now
-        installed = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
+    installed = distribution_version()  # importing megatron.core would emit the warnings now
     by_logger: dict = {}
     for noise in active_noise(installed, te):
         if noise.category is not None:

@@ -42,6 +42,10 @@ MARKER = "_megatron_pg_agg_patch"
 """Attribute set on every replacement: the name of the patch that installed it."""
 
 
+def _in_releases(releases: Optional[str], installed: str) -> bool:
+    return releases is None or in_range(installed, releases)
+
+
 @dataclass(frozen=True)
 class Target:
     """One attribute to replace: ``getattr(import_module(module), attr)`` (attr may be dotted)."""
@@ -61,7 +65,7 @@ class Target:
 
     def applies_to(self, installed: str) -> bool:
         """Whether this target is patched on megatron-core ``installed``."""
-        return self.releases is None or in_range(installed, self.releases)
+        return _in_releases(self.releases, installed)
 
     @property
     def qualname(self) -> str:
@@ -80,6 +84,10 @@ class StandIn:
     """``make(module name) -> module``; called once per apply, only when the stand-in is needed."""
     releases: Optional[str] = None
     """The megatron-core releases that have the module (as ``Target.releases``); None: all."""
+
+    def applies_to(self, installed: str) -> bool:
+        """Whether this module is stood in for (where needed) on megatron-core ``installed``."""
+        return _in_releases(self.releases, installed)
 
 
 @dataclass(frozen=True)
@@ -271,7 +279,7 @@ def _stand_in(patch: Patch, installed: str) -> list[_StoodIn]:
     put the stand-in in ``sys.modules`` (and on its parent package). Returns what was stood in."""
     done: list[_StoodIn] = []
     for item in patch.stand_ins:
-        if item.releases is not None and not in_range(installed, item.releases):
+        if not item.applies_to(installed):
             continue
         try:
             importlib.import_module(item.module)

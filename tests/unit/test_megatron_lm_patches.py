@@ -21,7 +21,8 @@ from megatron_pg_agg.patches._megatron_lm_release import (
 
 STAND_IN = megatron_lm_cpu.BATCH_INVARIANT_KERNELS
 TRITON = importlib.util.find_spec("triton") is not None
-HAS_MODULE = _machinery.in_range(_machinery.installed_megatron_core_version(), ">=0.16")
+HAS_MODULE = next(item for item in megatron_lm_cpu.PATCH.stand_ins if item.module == STAND_IN).applies_to(
+    _machinery.installed_megatron_core_version())
 """megatron-core 0.15 has no batch_invariant_kernels (and its training side never imports it)."""
 STANDS_IN = HAS_MODULE and not TRITON
 
