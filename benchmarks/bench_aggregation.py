@@ -19,7 +19,7 @@ import time
 import torch
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
-from megatron_pg_agg.modes import MODES
+from megatron_pg_agg.core.modes import MODES
 
 from _peak import extra_peak_bytes, in_child
 

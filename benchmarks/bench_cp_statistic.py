@@ -14,8 +14,8 @@ import statistics
 
 from bench_planner import make_batch
 
-from megatron_pg_agg.losses import PGLossConfig
-from megatron_pg_agg.planner import PlanConfig, plan_step
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.planner import PlanConfig, plan_step
 
 FLOAT32 = 4
 

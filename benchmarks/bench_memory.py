@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from megatron_pg_agg.modes import MODES
+from megatron_pg_agg.core.modes import MODES
 
 from _peak import extra_peak_bytes, in_child
 
@@ -48,8 +48,8 @@ def _inputs(tokens: int, mode: str):
 
 
 def loss_peak(kind: str, mode: str, tokens: int) -> int:
-    from megatron_pg_agg.losses import PGLossConfig, pg_loss_sum, ppo_token_losses
-    from megatron_pg_agg.planner import StepTotals
+    from megatron_pg_agg.core.losses import PGLossConfig, pg_loss_sum, ppo_token_losses
+    from megatron_pg_agg.data.planner import StepTotals
 
     x = _inputs(tokens, mode)
     cfg = PGLossConfig(mode=mode, divisor=2048.0 if mode == "constant" else None, report_entropy=False)
@@ -98,7 +98,7 @@ def main(argv=None):
     for multiple, share in rows["padding_share_by_multiple"].items():
         print(f"padding at a multiple of {multiple:>2}: {100 * share:.2f}% extra tokens")
     bare = in_child("bench_memory", "loss_peak", "bare", "token_mean", args.tokens)
-    print(f"\n| mode | loss-path peak, MiB (ours / bare PPO token mean) | extra bytes per token |")
+    print("\n| mode | loss-path peak, MiB (ours / bare PPO token mean) | extra bytes per token |")
     print("|---|---|---|")
     for mode in MODES:
         ours = in_child("bench_memory", "loss_peak", "ours", mode, args.tokens)

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from megatron_pg_agg.losses import PGLossConfig
-from megatron_pg_agg.planner import PlanConfig, _lpt_bins, plan_step
-from megatron_pg_agg.rollouts import RolloutBatch
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.planner import PlanConfig, _lpt_bins, plan_step
+from megatron_pg_agg.data.rollouts import RolloutBatch
 
 DP, MICROBATCHES = 8, 16
 
@@ -85,10 +85,10 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json")
     parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="tune glibc malloc as launch/train_actor.py does (megatron_pg_agg.worker_process.keep_freed_memory)")
+                        help="tune glibc malloc as launch/train_actor.py does (megatron_pg_agg.training.worker_process.keep_freed_memory)")
     args = parser.parse_args(argv)
     if args.keep_freed_memory:
-        from megatron_pg_agg.worker_process import keep_freed_memory
+        from megatron_pg_agg.training.worker_process import keep_freed_memory
 
         keep_freed_memory()
     print(f"glibc malloc: {'tuned (keep freed memory)' if args.keep_freed_memory else 'default'}", flush=True)

@@ -71,14 +71,14 @@ def worker(args) -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron_pg_agg.losses import PGLossConfig
-    from megatron_pg_agg.megatron_loss import packed_seq_params, pg_loss_func, run_schedule
-    from megatron_pg_agg.modes import MODES
-    from megatron_pg_agg.model import build_model_chunks, default_ddp_config, wrap_in_ddp
+    from megatron_pg_agg.core.losses import PGLossConfig
+    from megatron_pg_agg.megatron.loss_func import packed_seq_params, pg_loss_func, run_schedule
+    from megatron_pg_agg.core.modes import MODES
+    from megatron_pg_agg.megatron.model import build_model_chunks, default_ddp_config, wrap_in_ddp
     from megatron_pg_agg.parity.models import tiny_transformer_config
-    from megatron_pg_agg.parallel import init_distributed, init_parallel
-    from megatron_pg_agg.planner import PlanConfig, plan_step
-    from megatron_pg_agg.trainer import synthetic_rollouts
+    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
+    from megatron_pg_agg.data.planner import PlanConfig, plan_step
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
 
     init_distributed()
     init_parallel(args.tp, 1)

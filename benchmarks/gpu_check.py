@@ -25,7 +25,7 @@ import traceback
 
 import torch
 
-from megatron_pg_agg.modes import MODES
+from megatron_pg_agg.core.modes import MODES
 
 
 def _packed_step(tokens: int, device, seed: int = 0):
@@ -44,10 +44,10 @@ def _packed_step(tokens: int, device, seed: int = 0):
 
 def check_no_sync(report: dict) -> None:
     from megatron_pg_agg import aggregate, token_weights, weighted_sum
-    from megatron_pg_agg.losses import PGLossConfig
-    from megatron_pg_agg.megatron_loss import pg_loss_func
-    from megatron_pg_agg.planner import PlanConfig, plan_step
-    from megatron_pg_agg.trainer import synthetic_rollouts
+    from megatron_pg_agg.core.losses import PGLossConfig
+    from megatron_pg_agg.megatron.loss_func import pg_loss_func
+    from megatron_pg_agg.data.planner import PlanConfig, plan_step
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
 
     loss, num, den, cu, groups = _packed_step(200_000, "cuda")
     rollouts = synthetic_rollouts(num_steps=1, vocab_size=128)[0]
@@ -158,8 +158,8 @@ def check_te_attention(report: dict) -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_pg_agg.parity.models import tiny_transformer_config
-    from megatron_pg_agg.parallel import init_distributed, init_parallel
-    from megatron_pg_agg.thd_attention import ThdDotProductAttention
+    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
+    from megatron_pg_agg.megatron.thd_attention import ThdDotProductAttention
 
     init_distributed(backend="nccl")
     init_parallel(1, 1)

@@ -4,11 +4,11 @@
         <Megatron-LM flags> --calculate-per-token-loss --pg-loss-aggregation MODE [--pg-rollouts FILE]
 
 ``--megatron-lm`` (or ``MEGATRON_LM_PATH``) names a Megatron-LM checkout, core_v0.15.x to
-core_v0.19.x, of the installed megatron-core's release. Exit status 2: refused at start-up (every problem listed). The pieces live in megatron_pg_agg.megatron_lm.
+core_v0.19.x, of the installed megatron-core's release. Exit status 2: refused at start-up (every problem listed). The pieces live in megatron_pg_agg.training.megatron_lm.
 """
 import sys
 
-from megatron_pg_agg.megatron_lm import main
+from megatron_pg_agg.training.megatron_lm import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,11 +4,11 @@
     torchrun --nproc_per_node 8 launch/train_actor.py --rollouts steps.jsonl \\
         --tensor-model-parallel-size 2 --pg-loss-aggregation seq_mean ...
 
-Flags: ``python launch/train_actor.py --help``. The loop lives in megatron_pg_agg.trainer.
+Flags: ``python launch/train_actor.py --help``. The loop lives in megatron_pg_agg.training.trainer.
 """
 import sys
 
-from megatron_pg_agg.trainer import main
+from megatron_pg_agg.training.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

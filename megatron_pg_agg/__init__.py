@@ -1,11 +1,11 @@
 """megatron_pg_agg: exact policy-gradient loss aggregation for Megatron-core RL training.
 
-The aggregation contract (formulas for every mode) is in :mod:`megatron_pg_agg.aggregation`.
+The aggregation contract (formulas for every mode) is in :mod:`megatron_pg_agg.core.aggregation`.
 """
-from .aggregation import TokenWeights, aggregate, token_weights, weighted_sum
-from .modes import ALIASES, MODES, REFUSED_ALIASES, resolve_mode
-from .args import add_pg_agg_args, config_from_args
-from .losses import PGLossConfig
+from .core.aggregation import TokenWeights, aggregate, token_weights, weighted_sum
+from .core.modes import ALIASES, MODES, REFUSED_ALIASES, resolve_mode
+from .training.args import add_pg_agg_args, config_from_args
+from .core.losses import PGLossConfig
 
 __version__ = "0.1.0"
 

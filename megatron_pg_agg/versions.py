@@ -93,7 +93,7 @@ def distribution_version() -> str | None:
 def installed_megatron_core_version() -> str:
     """The installed megatron-core version (the distribution metadata, else ``package_info`` of a
     source checkout on PYTHONPATH). Tests monkeypatch it where it is imported (the patch machinery,
-    :mod:`megatron_pg_agg.run_config`) to simulate another release."""
+    :mod:`megatron_pg_agg.training.run_config`) to simulate another release."""
     found = distribution_version()
     if found is not None:
         return found

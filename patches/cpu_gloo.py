@@ -72,7 +72,7 @@ TARGETS (megatron-core >=0.15.0,<0.20; the same on every release)
 NOT COVERED
     ``tensor_parallel.broadcast_data`` (calls ``Tensor.cuda()``; feed batches directly on CPU),
     the local-spec ``DotProductAttention`` with packed sequences (use
-    ``megatron_pg_agg.thd_attention.ThdDotProductAttention``), context parallelism (needs TE),
+    ``megatron_pg_agg.megatron.thd_attention.ThdDotProductAttention``), context parallelism (needs TE),
     ``ReduceOp.AVG`` (gloo lacks it: keep ``average_in_collective=False``),
     ``batch_p2p_comm=True`` with interleaved pipelines (runs on gloo but mismatches messages:
     use ``batch_p2p_comm=False``), and ``variable_seq_lengths=True`` with the interleaved

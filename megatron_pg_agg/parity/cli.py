@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from . import __doc__ as PACKAGE_DOC
+from megatron_pg_agg.parity import __doc__ as PACKAGE_DOC
 from .fixture import DEFAULT_CASES, MODES, POLICY_LOSSES
 from .report import plot_errors, print_table
 

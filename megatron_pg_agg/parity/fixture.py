@@ -6,9 +6,9 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from ..losses import POLICY_LOSSES, PGLossConfig
-from ..modes import MODES
-from ..rollouts import Rollout
+from megatron_pg_agg.core.losses import POLICY_LOSSES, PGLossConfig
+from megatron_pg_agg.core.modes import MODES
+from megatron_pg_agg.data.rollouts import Rollout
 
 OBJECTIVE_RTOL = 1e-6
 """Largest relative error of the logged objective against the reference."""

@@ -1,6 +1,6 @@
 """The tiny models of the parity check and the tests (CPU-sized; never the trainer's model).
 
-* :func:`tiny_transformer_config`: :func:`megatron_pg_agg.model.transformer_config` with tiny
+* :func:`tiny_transformer_config`: :func:`megatron_pg_agg.megatron.model.transformer_config` with tiny
   sizes (4 layers, hidden 32, 4 heads); fusions follow the device like the trainer's.
 * :class:`PerTokenLM`: a model with no cross-token interaction, for context parallelism on CPU.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..model import transformer_config
+from megatron_pg_agg.megatron.model import transformer_config
 
 TINY_SIZES = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
 """Sizes of every tiny model unless overridden: small enough for several gloo ranks on 2 cores."""
@@ -67,7 +67,7 @@ def build_case_model(case, *, per_token_loss: bool = True, router_losses: bool =
     """``(config, chunks)``: this rank's chunks of the case's model (GPT, MoE GPT or PerTokenLM)
     for the current ``parallel_state``, initialised from one seed (the same weights on every
     rank before :func:`load_full_state` puts the reference's in)."""
-    from ..model import build_model_chunks
+    from megatron_pg_agg.megatron.model import build_model_chunks
     from .fixture import MAX_SEQ_LEN, NUM_LAYERS, VOCAB
 
     config = tiny_transformer_config(

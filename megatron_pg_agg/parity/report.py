@@ -1,4 +1,4 @@
-"""How parity rows are shown: the console table, the README's markdown table and the error plot.
+"""How parity rows are shown: the console table, docs/parity.md's markdown table and the error plot.
 
 A row (what ``--json`` writes) is a dict: ``layout``, ``policy_loss``, ``mode``, ``objective``,
 ``reference``, ``objective_rel_err``, ``grad_max_rel_err``, ``expect_fail`` (a negative control)
@@ -42,7 +42,7 @@ def _table_cell(row) -> str:
 
 
 def markdown_table(rows) -> str:
-    """The README's parity table from the rows ``--json`` writes: one line per (layout, policy
+    """docs/parity.md's parity table from the rows ``--json`` writes: one line per (layout, policy
     loss), cells ``J = ...`` (references) or ``objective rel err / max grad rel err`` per mode,
     ``-`` where a mode did not run. Grouped by model (GPT, per-token, MoE): the reference first,
     then the cases in ``DEFAULT_CASES`` order (controls last), each with its policy losses in
@@ -68,7 +68,7 @@ def markdown_table(rows) -> str:
 
 
 def find_markdown_table(text: str) -> tuple:
-    """``(start, end)`` character offsets of the parity table in ``text`` (README.md): from its
+    """``(start, end)`` character offsets of the parity table in ``text`` (docs/parity.md): from its
     header line to the end of its last row."""
     start = text.index(TABLE_HEADER + "\n")
     end = start

@@ -45,7 +45,7 @@ def gather_full_grads(ddp_chunks) -> dict:
 def _per_microbatch_weights(mb, rollouts, cfg):
     """The control's bug: weights computed from the tokens one rank sees in one microbatch (its
     CP share of each sequence: the planner's ``cu_seqlens_local``)."""
-    from ..aggregation import token_weights
+    from megatron_pg_agg.core.aggregation import token_weights
 
     groups = []
     for k, s in enumerate(mb.sequence_ids):
@@ -59,7 +59,7 @@ def _per_microbatch_weights(mb, rollouts, cfg):
 
 
 def _plan(case: ParityCase, rollouts, cfg, cp_rank: int):
-    from ..planner import PlanConfig, plan_step
+    from megatron_pg_agg.data.planner import PlanConfig, plan_step
 
     return plan_step(rollouts, cfg, PlanConfig(
         dp_size=case.dp, num_microbatches=case.num_microbatches, tp_size=case.tp, cp_size=case.cp,
@@ -69,7 +69,7 @@ def _plan(case: ParityCase, rollouts, cfg, cp_rank: int):
 def _forward_step(case: ParityCase, cfg, totals, device):
     from megatron.core import parallel_state
 
-    from ..megatron_loss import make_forward_step
+    from megatron_pg_agg.megatron.loss_func import make_forward_step
 
     # the control drops the CP group: each CP rank's sequence statistic from its own tokens only
     cp_group = None if case.control == "no_cp_statistic_reduction" else parallel_state.get_context_parallel_group()
@@ -82,8 +82,8 @@ def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank,
     entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving the
     PG objective's gradient (the router losses add linearly; tests/distributed/test_moe.py checks that and
     their strength)."""
-    from ..megatron_loss import run_schedule
-    from ..moe import begin_moe_step
+    from megatron_pg_agg.megatron.loss_func import run_schedule
+    from megatron_pg_agg.megatron.moe import begin_moe_step
 
     total = {id(p): p.main_grad.detach().clone() for chunk in model for p in chunk.module.parameters()}
     aux_rollouts = [replace(r, advantages=[0.0] * len(r.advantages)) for r in rollouts]
@@ -130,10 +130,11 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
-    from ..megatron_loss import check_megatron_config, run_schedule
-    from ..model import default_ddp_config, wrap_in_ddp
-    from ..moe import begin_moe_step
-    from ..parallel import init_parallel, teardown_parallel
+    from megatron_pg_agg.megatron.config_checks import check_megatron_config
+    from megatron_pg_agg.megatron.loss_func import run_schedule
+    from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
+    from megatron_pg_agg.megatron.moe import begin_moe_step
+    from megatron_pg_agg.megatron.parallel import init_parallel, teardown_parallel
 
     init_parallel(case.tp, case.pp, case.vpp, case.cp, ep=case.ep)
     per_token_loss = case.control != "megatron_default_averaging"
@@ -189,8 +190,8 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
 def worker_main(argv=None) -> int:
     import faulthandler
 
-    from ..parallel import init_distributed, init_parallel, teardown_parallel
-    from ..patches import apply_megatron_patches
+    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
+    from megatron_pg_agg.patches import apply_megatron_patches
 
     parser = argparse.ArgumentParser(prog="python -m megatron_pg_agg.parity.workers")
     parser.add_argument("--cases-json", required=True, help="JSON list of ParityCase fields")

@@ -230,8 +230,8 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
     assert "[pg] iteration" not in out and "building GPT model" not in out  # refused before the model
 
     bad_tokens = work / "bad_tokens.jsonl"
-    from megatron_pg_agg.rollout_io import write_rollouts
-    from megatron_pg_agg.trainer import synthetic_rollouts
+    from megatron_pg_agg.data.rollout_files import write_rollouts
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
 
     steps = synthetic_rollouts(vocab_size=127, seed=1234)
     steps[2][5].response_ids[1] = 130  # valid for no vocabulary the loader knows; the padded one is 128

@@ -139,8 +139,8 @@ def _moe_config(**overrides):
 
 def test_moe_with_router_losses_is_refused_without_the_patch(clean):
     """Catches check_megatron_config not looking at experts (today's silent up-to-4000x)."""
-    from megatron_pg_agg.megatron_loss import MegatronConfigError, check_megatron_config
-    from megatron_pg_agg.model import default_ddp_config
+    from megatron_pg_agg.megatron.config_checks import MegatronConfigError, check_megatron_config
+    from megatron_pg_agg.megatron.model import default_ddp_config
 
     for overrides in ({}, {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3}):
         with pytest.raises(MegatronConfigError, match="moe_aux_loss patch"):
@@ -152,8 +152,8 @@ def test_moe_with_router_losses_is_refused_without_the_patch(clean):
 
 
 def test_mtp_and_expert_bias_are_refused_with_clear_messages(clean):
-    from megatron_pg_agg.megatron_loss import MegatronConfigError, check_megatron_config
-    from megatron_pg_agg.model import default_ddp_config
+    from megatron_pg_agg.megatron.config_checks import MegatronConfigError, check_megatron_config
+    from megatron_pg_agg.megatron.model import default_ddp_config
 
     patches.apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
     config = _moe_config()
@@ -261,8 +261,8 @@ def test_trainer_trains_a_moe_actor_and_logs_router_losses_as_pairs(tmp_path):
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], ["not divisible by EP x TP"]),
 ])
 def test_trainer_refuses_bad_moe_flags_before_starting(argv, words):
-    from megatron_pg_agg.run_config import RunConfig
-    from megatron_pg_agg.trainer import StartupError, build_parser
+    from megatron_pg_agg.training.run_config import RunConfig
+    from megatron_pg_agg.training.run_config import StartupError, build_parser
 
     cfg = RunConfig.from_args(build_parser().parse_args(argv))
     with pytest.raises(StartupError) as err:

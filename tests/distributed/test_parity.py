@@ -6,9 +6,9 @@ One run of the parity command (two torchrun launches: 2 and 4 ranks) covers DP=2
 (per-token model), the MoE layouts, each with ppo, gspo, gmpo and cispo, and four negative controls
 that must FAIL parity (one: GSPO's sequence statistic without the CP all-reduce). The
 reference (``parity.step_objective``) shares no code with the package's loss or aggregation, so a
-bug common to the library's two forms fails every row. The README's table must be what this run
-prints (benchmarks/parity_table.py writes it). Host-only checks of the reference and the command
-are in tests/unit/test_parity_reference.py.
+bug common to the library's two forms fails every row. The table in docs/parity.md must be what
+this run prints (benchmarks/parity_table.py writes it). Host-only checks of the reference and the
+command are in tests/unit/parity/test_parity_reference.py.
 """
 import json
 import subprocess
@@ -70,12 +70,13 @@ def test_plot_is_written(parity_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_readme_parity_table_is_what_the_suite_prints(parity_run):
-    """README.md's table (written by benchmarks/parity_table.py from --json) against this run."""
+def test_docs_parity_table_is_what_the_suite_prints(parity_run):
+    """docs/parity.md's table (written by benchmarks/parity_table.py from --json) against this
+    run."""
     _, out, _ = parity_run
     rows = json.loads(out.read_text())
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "parity.md").read_text()
     start, end = find_markdown_table(text)
     problems = table_mismatches(text[start:end], rows)
-    assert not problems, "README parity table is stale (python benchmarks/parity_table.py parity.json " \
-                         "--readme README.md):\n" + "\n".join(problems)
+    assert not problems, "docs/parity.md parity table is stale (python benchmarks/parity_table.py " \
+                         "parity.json --doc docs/parity.md):\n" + "\n".join(problems)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.support.launching import ROOT, child_env, finish, kill_launch, run, start, torchrun, worker
-from megatron_pg_agg.rollouts import Rollout
-from megatron_pg_agg.rollout_io import write_rollouts
-from megatron_pg_agg.run_config import RunConfig
-from megatron_pg_agg.trainer import StartupError, build_parser, synthetic_rollouts
+from megatron_pg_agg.data.rollouts import Rollout
+from megatron_pg_agg.data.rollout_files import write_rollouts
+from megatron_pg_agg.data.synthetic import synthetic_rollouts
+from megatron_pg_agg.training.run_config import RunConfig, StartupError, build_parser
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 TIMING = {"tokens_per_s", "step_s"}
@@ -75,7 +75,7 @@ def test_a_step_too_small_for_its_microbatches_is_refused(tmp_path):
 
 
 def test_megatron_core_outside_the_supported_range_is_refused(monkeypatch):
-    import megatron_pg_agg.run_config as run_config
+    import megatron_pg_agg.training.run_config as run_config
 
     cfg = RunConfig.from_args(build_parser().parse_args([]))
     monkeypatch.delenv("MEGATRON_PG_AGG_ALLOW_UNTESTED_MEGATRON", raising=False)
@@ -129,7 +129,7 @@ def test_a_non_finite_loss_stops_the_run_before_any_update_with_status_3(tmp_pat
 
 # trainer.main in a child process, then whether it left its process group alive (a live gloo
 # group at exit can abort the process in the group's destructor, turning status 3 into -6)
-_MAIN_THEN_GROUP = ("import sys, torch.distributed as d; from megatron_pg_agg.trainer import main; "
+_MAIN_THEN_GROUP = ("import sys, torch.distributed as d; from megatron_pg_agg.training.cli import main; "
                     "rc = main(sys.argv[1:]); print('process group alive after main:', d.is_initialized()); "
                     "sys.exit(rc)")
 

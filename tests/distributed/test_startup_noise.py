@@ -9,7 +9,7 @@ import warnings
 from tests.support.launching import ROOT, child_env
 
 from megatron_pg_agg.versions import installed_megatron_core_version
-from megatron_pg_agg.worker_process import KNOWN_NOISE, active_noise, quiet_startup_noise
+from megatron_pg_agg.training.worker_process import KNOWN_NOISE, active_noise, quiet_startup_noise
 
 WARNING_WORDS = ("Warning:", "WARNING", "DEPRECATED", "warnings.warn")
 

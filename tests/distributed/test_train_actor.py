@@ -100,8 +100,8 @@ def test_two_loopback_nodes_train_like_one_node(tmp_path):
 
 def test_training_from_a_rollout_file_matches_the_built_in_data(tmp_path):
     """--rollouts: the built-in set written to JSONL and read back trains bit for bit the same."""
-    from megatron_pg_agg.rollout_io import write_rollouts
-    from megatron_pg_agg.trainer import synthetic_rollouts
+    from megatron_pg_agg.data.rollout_files import write_rollouts
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
 
     path = write_rollouts(tmp_path / "steps.jsonl", synthetic_rollouts(vocab_size=128, seed=1234))
     runs = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pg_agg.parallel import free_port  # noqa: F401  (the one copy, re-exported for tests)
+from megatron_pg_agg.megatron.parallel import free_port  # noqa: F401  (the one copy, re-exported for tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 

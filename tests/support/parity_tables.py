@@ -1,4 +1,5 @@
-"""Reading the README's parity table back (tests/distributed/test_parity.py holds it to the suite's run)."""
+"""Reading docs/parity.md's parity table back (tests/distributed/test_parity.py holds it to the
+suite's run)."""
 import re
 
 from megatron_pg_agg.parity import MODES, markdown_table
@@ -25,12 +26,12 @@ def _numbers(cell: str) -> list:
     return [float(m.group(0)) for m in _NUMBER.finditer(cell)]
 
 
-def table_mismatches(readme_table: str, rows) -> list:
-    """Where a README parity table disagrees with the suite's JSON rows in what is stable across
-    machines: the layouts and policy losses and their order, which modes ran, each verdict marker,
-    every parity error below its tolerance in both (objective OBJECTIVE_RTOL, gradient GRAD_RTOL),
-    every control's gradient error far outside it (> 100 x GRAD_RTOL) in both, and each reference
-    objective J to REFERENCE_RTOL. The printed digits of float32 noise (1.6e-08 here, 1.8e-08 on
+def table_mismatches(docs_table: str, rows) -> list:
+    """Where the parity table of docs/parity.md disagrees with the suite's JSON rows in what is
+    stable across machines: the layouts and policy losses and their order, which modes ran, each
+    verdict marker, every parity error below its tolerance in both (objective OBJECTIVE_RTOL,
+    gradient GRAD_RTOL), every control's gradient error far outside it (> 100 x GRAD_RTOL) in both,
+    and each reference objective J to REFERENCE_RTOL. The printed digits of float32 noise (1.6e-08 here, 1.8e-08 on
     another machine) are not compared."""
     from megatron_pg_agg.parity import GRAD_RTOL, OBJECTIVE_RTOL
 
@@ -38,22 +39,22 @@ def table_mismatches(readme_table: str, rows) -> list:
     problems = []
     names = lambda table: [tuple(c.strip() for c in line.split("|")[1:3])  # noqa: E731
                            for line in table.strip().splitlines()[2:]]
-    if names(readme_table) != names(fresh):
-        problems.append(f"layouts differ: README {names(readme_table)} vs suite {names(fresh)}")
-    want, got = _cells(readme_table), _cells(fresh)
+    if names(docs_table) != names(fresh):
+        problems.append(f"layouts differ: docs {names(docs_table)} vs suite {names(fresh)}")
+    want, got = _cells(docs_table), _cells(fresh)
     for key in sorted(set(want) & set(got)):
         a, b = want[key], got[key]
         if _NUMBER.sub("#", a) != _NUMBER.sub("#", b):
-            problems.append(f"{key}: README {a!r} vs suite {b!r} (another verdict or another set of modes)")
+            problems.append(f"{key}: docs {a!r} vs suite {b!r} (another verdict or another set of modes)")
             continue
         if a == "-":
             continue
         if a.startswith("J = "):
             (x,), (y,) = _numbers(a), _numbers(b)
             if abs(x - y) > REFERENCE_RTOL * max(abs(x), abs(y)):
-                problems.append(f"{key}: reference README {a!r} vs suite {b!r}")
+                problems.append(f"{key}: reference docs {a!r} vs suite {b!r}")
             continue
-        for where, cell in (("README", a), ("suite", b)):
+        for where, cell in (("docs", a), ("suite", b)):
             obj, grad = _numbers(cell)
             if "as it must" in cell:
                 if grad <= 100 * GRAD_RTOL:

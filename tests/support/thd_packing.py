@@ -1,5 +1,5 @@
 """Test tooling: pack variable-length token sequences into one THD micro-batch (Megatron-LM's RL
-layout). Training packs with the planner (megatron_pg_agg.planner); this simple packer builds the
+layout). Training packs with the planner (megatron_pg_agg.data.planner); this simple packer builds the
 THD inputs of the attention and smoke tests.
 
 WHY

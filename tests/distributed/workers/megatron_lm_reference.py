@@ -25,7 +25,7 @@ def main() -> None:
     flags = sys.argv[sys.argv.index("--") + 1:]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
-    from megatron_pg_agg.parallel import free_port
+    from megatron_pg_agg.megatron.parallel import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     sys.path.insert(0, checkout)
@@ -43,9 +43,9 @@ def main() -> None:
     from megatron.training.training import get_model
     from model_provider import model_provider
 
-    from megatron_pg_agg.megatron_lm import ARGS_DEFAULTS, add_actor_args
-    from megatron_pg_agg.thd_attention import use_thd_core_attention
-    from megatron_pg_agg.trainer import synthetic_rollouts
+    from megatron_pg_agg.training.megatron_lm import ARGS_DEFAULTS, add_actor_args
+    from megatron_pg_agg.megatron.thd_attention import use_thd_core_attention
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
 
     sys.argv = [sys.argv[0], *flags]
     if release.uses_config_container:  # core_v0.18+: the flags are parsed before initialisation

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from megatron_pg_agg.megatron_lm import main
+from megatron_pg_agg.training.megatron_lm import main
 
 
 def run_all(runs: list) -> dict:

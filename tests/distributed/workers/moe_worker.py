@@ -37,14 +37,15 @@ apply_megatron_patches(cpu_gloo=True, moe_aux_loss=True)  # before any model is 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
-from megatron_pg_agg.losses import PGLossConfig  # noqa: E402
-from megatron_pg_agg.megatron_loss import check_megatron_config, make_forward_step, run_schedule  # noqa: E402
-from megatron_pg_agg.model import build_model_chunks, default_ddp_config, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.core.losses import PGLossConfig  # noqa: E402
+from megatron_pg_agg.megatron.config_checks import check_megatron_config  # noqa: E402
+from megatron_pg_agg.megatron.loss_func import make_forward_step, run_schedule  # noqa: E402
+from megatron_pg_agg.megatron.model import build_model_chunks, default_ddp_config, wrap_in_ddp  # noqa: E402
 from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
-from megatron_pg_agg.moe import begin_moe_step, clear_moe_aux_loss_scale, router_loss_pairs  # noqa: E402
-from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
+from megatron_pg_agg.megatron.moe import begin_moe_step, clear_moe_aux_loss_scale, router_loss_pairs  # noqa: E402
+from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 from megatron_pg_agg.parity import VOCAB, parity_rollouts  # noqa: E402
-from megatron_pg_agg.planner import PlanConfig, plan_step  # noqa: E402
+from megatron_pg_agg.data.planner import PlanConfig, plan_step  # noqa: E402
 
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 AUX_COEFF, Z_COEFF = 0.01, 1e-3

@@ -19,11 +19,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_pg_agg.losses import PGLossConfig
-from megatron_pg_agg.megatron_loss import pg_loss_func
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.megatron.loss_func import pg_loss_func
 from megatron_pg_agg.parity.models import PerTokenLM
-from megatron_pg_agg.planner import PlanConfig, plan_step
-from megatron_pg_agg.rollouts import Rollout
+from megatron_pg_agg.data.planner import PlanConfig, plan_step
+from megatron_pg_agg.data.rollouts import Rollout
 
 VOCAB = 32
 MODES = {"seq_mean": {}, "token_mean": {}, "prompt_mean": {}, "constant": {"divisor": 16.0}}

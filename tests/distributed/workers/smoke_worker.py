@@ -2,7 +2,7 @@
 
 Run with ``torchrun --standalone --nproc_per_node 4 -m tests.distributed.workers.smoke_worker``. For each
 layout (TP2xPP2, DP2xPP2, DP4, PP2 interleaved with 2 virtual stages, DP2) it builds the tiny
-GPT, wraps it in megatron DDP, runs the schedule (``megatron_loss.run_schedule``) on 2 packed THD micro-batches
+GPT, wraps it in megatron DDP, runs the schedule (``megatron.loss_func.run_schedule``) on 2 packed THD micro-batches
 with the per-token 3-tuple loss contract and checks that every gradient is finite and that some
 are non-zero. It proves the schedule runs; exact parity is checked elsewhere.
 """
@@ -21,12 +21,12 @@ apply_megatron_patches()  # before any model is built
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron_pg_agg.megatron_loss import run_schedule  # noqa: E402
+from megatron_pg_agg.megatron.loss_func import run_schedule  # noqa: E402
 
-from megatron_pg_agg.model import build_model_chunks, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.megatron.model import build_model_chunks, wrap_in_ddp  # noqa: E402
 from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
 from tests.support.thd_packing import next_token_targets, pack_sequences  # noqa: E402
-from megatron_pg_agg.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
+from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 
 VOCAB = 64
 MAX_SEQ_LEN = 64

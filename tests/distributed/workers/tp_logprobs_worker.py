@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_pg_agg.losses import vocab_parallel_logprobs
+from megatron_pg_agg.core.losses import vocab_parallel_logprobs
 
 
 def reference(logits: torch.Tensor, target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, with_entropy: bool):

@@ -24,11 +24,12 @@ def main() -> None:
     from megatron_pg_agg.patches import apply_megatron_patches
 
     apply_megatron_patches(cpu_gloo=True)
-    from megatron_pg_agg.args import config_from_args
-    from megatron_pg_agg.model import build_model_chunks, transformer_config
-    from megatron_pg_agg.parallel import init_distributed, init_parallel
+    from megatron_pg_agg.training.args import config_from_args
+    from megatron_pg_agg.megatron.model import build_model_chunks, transformer_config
+    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
     from megatron_pg_agg.parity import step_objective
-    from megatron_pg_agg.trainer import build_parser, synthetic_rollouts
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from megatron_pg_agg.training.run_config import build_parser
 
     args = build_parser().parse_args(flags)
     if args.rollouts or args.num_experts or args.tensor_model_parallel_size != 1:

@@ -1,0 +1,6 @@
+"""The aggregation maths: modes, per-token weights, segments and the policy losses.
+
+Imports torch and nothing of megatron: every formula here can be read, tested and reused without
+megatron-core installed. The contract (the formula of every mode) is in
+:mod:`megatron_pg_agg.core.aggregation`.
+"""

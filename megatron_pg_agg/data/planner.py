@@ -1,0 +1,627 @@
+"""Host-side step planning: one optimizer step of rollouts -> every DP rank's packed THD microbatches.
+
+Runs on the host, identically on every rank (deterministic: no randomness, ties broken by index),
+so every rank knows every rank's microbatches and the step's global totals without a collective.
+Order of work, and why:
+
+Each phase is a function below; ``plan_step`` reads as their list.
+
+1. check the rollouts (host data: checks are free here, so the per-microbatch path can trust it)
+   and apply the rollout-engine correction to the numerator (``checked_batch``);
+2. put sequences in canonical order (groups consecutive, in order of first appearance) and pad
+   each to what TP sequence parallelism and context parallelism need (``canonical_order``);
+3. compute ``token_weights`` ONCE for the whole step (on the response tokens, canonical order),
+   before any split: groups and sequences may then land in different microbatches, DP ranks or
+   CP shards and the objective stays exact (``step_weights``);
+4. assign whole sequences (attention needs them whole) to DP x microbatch bins, token-balanced
+   (longest-first onto the lightest bin) (``pack_bins``);
+5. build the packed THD layout directly in bin order (each bin a contiguous slice, with
+   cu_seqlens and cu_seqlens_padded) and, with CP, only this CP rank's positions (Megatron's
+   layout, :mod:`megatron_pg_agg.core.context_parallel`). Every per-token field is one gather
+   (``token_layout``);
+6. cut the layout into microbatches, check their capacity, pad them where asked
+   (``assemble_microbatches``).
+
+Token positions: a sequence is ``prompt + response``; position t predicts token t+1, so response
+token j (sequence index P + j) is scored at position P + j - 1, where its mask, advantage and
+log-probs are placed. The last position and padding score nothing.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional
+
+import torch
+
+from megatron_pg_agg.core.aggregation import TokenWeights, token_weights
+from megatron_pg_agg.core.context_parallel import cp_partition_index
+from megatron_pg_agg.core.modes import resolve_mode
+from .rollouts import PlanError, RolloutBatch
+from megatron_pg_agg.core.segments import exclusive_cumsum, running_sums, segment_ids, segment_of
+
+
+@dataclass
+class Microbatch:
+    """One packed THD microbatch (micro-batch size 1), with every per-token tensor it needs."""
+
+    tokens: torch.Tensor  # int64 [1, T]
+    labels: torch.Tensor  # int64 [1, T]: next token at every position (0 where nothing is scored)
+    position_ids: torch.Tensor  # int64 [1, T]: restart at 0 in every sequence
+    numerator_mask: torch.Tensor  # bool [T]
+    denominator_mask: torch.Tensor  # bool [T]
+    advantages: torch.Tensor  # float32 [T]
+    old_logprobs: torch.Tensor  # float32 [T]
+    ref_logprobs: Optional[torch.Tensor]  # float32 [T] or None
+    weights: TokenWeights  # [T], sliced from the step's weights
+    cu_seqlens: torch.Tensor  # int32 [S+1]: real sequence lengths
+    cu_seqlens_padded: torch.Tensor  # int32 [S+1]: padded lengths (token offsets in this batch)
+    max_seqlen: int
+    sequence_ids: list  # canonical indices of the sequences packed here
+    cu_seqlens_local: Optional[torch.Tensor] = None  # int32 [S+1]: this CP rank's share of each sequence
+    seq_numerator_tokens: Optional[torch.Tensor] = None  # float32 [S]: N_i over all CP ranks
+    pg_weights: Optional[torch.Tensor] = None  # float32 [T]: rollout-correction weight of pg_t
+    correction_report: Optional[dict] = None  # name -> float32 [sum, count] (host sums)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    def _map(self, fn) -> "Microbatch":
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = fn(value)
+            elif isinstance(value, TokenWeights):
+                value = TokenWeights(fn(value.coef), fn(value.count), value.mode)
+            elif isinstance(value, dict):
+                value = {k: fn(v) for k, v in value.items()}
+            moved[f.name] = value
+        return Microbatch(**moved)
+
+    def to(self, device) -> "Microbatch":
+        """Every tensor on ``device`` with ``non_blocking`` copies (asynchronous from pinned memory:
+        see :meth:`pin_memory`)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "Microbatch":
+        """A copy in page-locked host memory, so that :meth:`to` a GPU does not block the host."""
+        return self._map(lambda t: t.pin_memory())
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Global integers of one optimizer step, known on the host before it (the planner sees the
+    whole step on every rank, so no collective is needed to know them)."""
+
+    pg_weight: int
+    """W_pg = sum of k_t over the step: valid tokens, active sequences or active groups."""
+    valid_tokens: int
+    """D = sum of d_t over the step: the normaliser of the KL and entropy token means."""
+
+    @property
+    def extra_scale(self) -> float:
+        """W_pg / D: turns the extra terms' token mean into Megatron's single-count contract."""
+        return self.pg_weight / self.valid_tokens if self.valid_tokens else 0.0
+
+
+@dataclass
+class StepPlan:
+    """Every DP rank's microbatches for one step, and the step's global numbers."""
+
+    microbatches: list  # [dp_rank][microbatch] -> Microbatch
+    totals: StepTotals
+    group_sizes: list
+    bin_tokens: list  # [dp_rank][microbatch] -> padded tokens (before any CP split)
+    stats: dict = field(default_factory=dict)
+
+    def for_rank(self, dp_rank: int) -> list:
+        return self.microbatches[dp_rank]
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How to cut a step. Every field is host data; the same config on every rank gives the
+    same plan."""
+
+    dp_size: int = 1
+    """Data-parallel ranks (Megatron's DP, without CP)."""
+    num_microbatches: Optional[int] = None
+    """Microbatches per DP rank; None = derive from max_tokens_per_microbatch."""
+    max_tokens_per_microbatch: Optional[int] = None
+    """Capacity of one microbatch in padded tokens (before the CP split)."""
+    tp_size: int = 1
+    """Tensor-parallel size (padding with sequence parallelism)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: every sequence is padded to a multiple of tp_size."""
+    cp_size: int = 1
+    """Context-parallel size: every sequence is padded to a multiple of 2 * cp_size."""
+    vocab_size: Optional[int] = None
+    """If set, token ids are checked against it."""
+    uniform_microbatch_tokens: bool = False
+    """Pad every microbatch of the step to the same token count (the last sequence's padding
+    grows). Pipeline schedules without ``variable_seq_lengths`` need it: p2p buffers have one
+    shape (the interleaved schedule's shape exchange deadlocks on gloo)."""
+    microbatch_tokens: Optional[int] = None
+    """Pad every microbatch to exactly this many tokens (before the CP split), as Megatron-LM's
+    pipeline p2p buffers have the fixed shape ``--seq-length``; a microbatch that would hold more
+    is a PlanError. Also the capacity when ``max_tokens_per_microbatch`` is None."""
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """Most padded tokens one microbatch may hold (None: unbounded)."""
+        caps = [c for c in (self.max_tokens_per_microbatch, self.microbatch_tokens) if c is not None]
+        return min(caps) if caps else None
+
+    @property
+    def pad_multiple(self) -> int:
+        tp = self.tp_size if self.sequence_parallel else 1
+        cp = 2 * self.cp_size if self.cp_size > 1 else 1
+        return tp * cp // math.gcd(tp, cp)
+
+
+def padded_lengths(batch: RolloutBatch, plan_cfg: PlanConfig, *, step=None) -> torch.Tensor:
+    """int64 ``[N]``: each rollout's prompt + response length, padded to ``plan_cfg.pad_multiple``.
+
+    Raises PlanError naming the first rollout too long for one microbatch (attention needs a
+    sequence whole, so it can never be split to fit)."""
+    multiple = plan_cfg.pad_multiple
+    length = batch.prompt_lengths + batch.response_lengths
+    padded = (length + multiple - 1) // multiple * multiple
+    cap = plan_cfg.capacity
+    if cap is not None and bool((padded > cap).any()):
+        i = int((padded > cap).int().argmax())
+        label = batch.group_labels[int(batch.group_index[i])] if batch.group_labels else int(batch.group_index[i])
+        where = "" if step is None else f"step {step}, "
+        raise PlanError(
+            f"{where}rollout {i} (group {label!r}): {int(length[i])} tokens (prompt "
+            f"{int(batch.prompt_lengths[i])} + response {int(batch.response_lengths[i])}, padded to "
+            f"{int(padded[i])}) do not fit a microbatch of {cap} tokens; raise the capacity "
+            "(max_tokens_per_microbatch, or Megatron-LM's --seq-length) or drop the sequence")
+    return padded
+
+
+def _lpt_bins(lengths: list, num_bins: int) -> list:
+    """Longest-first onto the lightest bin; ties broken by index, so the result is deterministic."""
+    heap = [(0, b) for b in range(num_bins)]
+    bins = [[] for _ in range(num_bins)]
+    for idx in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, b = heapq.heappop(heap)
+        bins[b].append(idx)
+        heapq.heappush(heap, (load + lengths[idx], b))
+    return [sorted(b) for b in bins]
+
+
+def _canonical_order(group_index: torch.Tensor):
+    """Rollout order with groups consecutive (in order of first appearance, stable inside a group),
+    and the group sizes in that order."""
+    n = group_index.numel()
+    uniq, inverse = torch.unique(group_index, return_inverse=True)
+    first = torch.full((uniq.numel(),), n, dtype=torch.long).scatter_reduce_(
+        0, inverse, torch.arange(n), reduce="amin")
+    order = torch.argsort(first[inverse] * n + torch.arange(n))
+    sizes = torch.bincount(inverse, minlength=uniq.numel())[torch.argsort(first)]
+    return order, sizes.tolist()
+
+
+def plan_step(
+    rollouts,
+    loss_cfg,
+    plan_cfg: PlanConfig,
+    *,
+    cp_rank: int = 0,
+) -> StepPlan:
+    """Plan one optimizer step: the phases of the module docstring, in order.
+
+    ``rollouts`` is a list of :class:`Rollout` or a :class:`RolloutBatch` (the fast path for big
+    steps); ``loss_cfg`` a :class:`~megatron_pg_agg.core.losses.PGLossConfig` (mode, divisor, whether
+    reference log-probs are needed, policy loss and rollout correction). Microbatch ``m`` of DP
+    rank ``r`` is bin ``m * dp + r``.
+    """
+    batch, correction = checked_batch(rollouts, loss_cfg, plan_cfg)
+    order = canonical_order(batch, plan_cfg)
+    weights = step_weights(batch, order, loss_cfg)
+    bins = pack_bins(order, plan_cfg)
+    layout = token_layout(batch, order, weights, bins, correction, plan_cfg, cp_rank)
+    return assemble_microbatches(batch, order, weights, bins, layout, plan_cfg)
+
+
+# ----------------------------------------------------------------------------- the phases
+
+
+def checked_batch(rollouts, loss_cfg, plan_cfg: PlanConfig):
+    """1. The step as a checked :class:`RolloutBatch` (host data: checks are free here), with the
+    rollout correction applied to its numerator; returns ``(batch, correction or None)``."""
+    if isinstance(rollouts, RolloutBatch):
+        batch = rollouts
+        batch.validate(vocab_size=plan_cfg.vocab_size)
+    else:
+        if not rollouts:
+            raise PlanError("the step has no rollouts")
+        batch = RolloutBatch.from_rollouts(rollouts, vocab_size=plan_cfg.vocab_size)
+    require_inputs(batch, loss_cfg)
+    correction = rollout_correction(batch, loss_cfg)
+    if correction is not None:  # masked tokens leave the numerator (they keep the denominator)
+        batch = replace(batch, numerator_mask=correction.numerator_mask)
+    return batch, correction
+
+
+@dataclass(frozen=True)
+class CanonicalOrder:
+    """Phase 2's result: rollouts in canonical order (groups consecutive) and their lengths."""
+
+    order: torch.Tensor
+    """int64 ``[N]``: rollout index at each canonical position."""
+    group_sizes: list
+    """Sizes of the prompt groups, in canonical order."""
+    padded: torch.Tensor
+    """int64 ``[N]``: padded length of each rollout (original order)."""
+    length: torch.Tensor
+    """int64 ``[N]``: prompt + response length of each rollout (original order)."""
+    p_start: torch.Tensor
+    """int64 ``[N+1]``: offsets of the prompts in ``batch.prompt_tokens``."""
+    r_start: torch.Tensor
+    """int64 ``[N+1]``: offsets of the responses in the response-token arrays."""
+
+
+def canonical_order(batch: RolloutBatch, plan_cfg: PlanConfig) -> CanonicalOrder:
+    """2. Groups consecutive (in order of first appearance), every sequence padded to what
+    sequence parallelism and 2 x CP need (a sequence too long for a microbatch is refused)."""
+    order, group_sizes = _canonical_order(batch.group_index)
+    return CanonicalOrder(order=order, group_sizes=group_sizes, padded=padded_lengths(batch, plan_cfg),
+                          length=batch.prompt_lengths + batch.response_lengths,
+                          p_start=exclusive_cumsum(batch.prompt_lengths),
+                          r_start=exclusive_cumsum(batch.response_lengths))
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """Phase 3's result: the step's token weights on the response tokens (canonical order)."""
+
+    weights: TokenWeights
+    totals: "StepTotals"
+    rc_of_rollout: torch.Tensor
+    """int64 ``[N]``: canonical response offset of each rollout (original order)."""
+    r_total: int
+    """Response tokens of the step."""
+
+
+def step_weights(batch: RolloutBatch, order: CanonicalOrder, loss_cfg) -> StepWeights:
+    """3. ``token_weights`` ONCE for the whole step, before any split. They depend only on the
+    masks of the response tokens, so they are computed on those alone (canonical order), not on
+    the padded layout; every microbatch, rank and CP shard then gathers its tokens' weights."""
+    mode, divisor = resolve_mode(loss_cfg.mode, loss_cfg.divisor)
+    rc_start = exclusive_cumsum(batch.response_lengths[order.order])
+    r_total = int(rc_start[-1])
+    canon = (order.r_start[order.order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
+    den_c = batch.loss_mask[canon]
+    num_c = den_c if batch.numerator_mask is None else batch.numerator_mask[canon]
+    weights = token_weights(num_c, mode=mode, divisor=divisor, cu_seqlens=rc_start,
+                            group_sizes=order.group_sizes, denominator_mask=den_c, validate=False)
+    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den_c.sum()))
+    rc_of_rollout = torch.empty_like(rc_start[:-1])
+    rc_of_rollout[order.order] = rc_start[:-1]
+    return StepWeights(weights, totals, rc_of_rollout, r_total)
+
+
+@dataclass(frozen=True)
+class Bins:
+    """Phase 4's result: the DP x microbatch bins (canonical sequence indices in each)."""
+
+    members: list
+    """``[bin] -> [canonical sequence index]``; bin ``b`` is DP rank ``b % dp``, microbatch ``b // dp``."""
+    num_microbatches: int
+    rollout_of: torch.Tensor
+    """int64: the rollout index of each sequence in bin order (bins contiguous)."""
+
+
+def pack_bins(order: CanonicalOrder, plan_cfg: PlanConfig) -> Bins:
+    """4. Whole sequences (attention needs them whole) onto token-balanced bins: longest first
+    onto the lightest bin, ties by index (deterministic)."""
+    dp = plan_cfg.dp_size
+    padded_canonical = order.padded[order.order].tolist()
+    num_mb = _choose_microbatches(padded_canonical, plan_cfg)
+    bins = _lpt_bins(padded_canonical, dp * num_mb)
+    empty = sum(1 for members in bins if not members)
+    if empty:
+        raise PlanError(
+            f"{len(padded_canonical)} sequences cannot fill {dp} DP ranks x {num_mb} microbatches: "
+            f"{empty} microbatches would be empty; use fewer microbatches or a larger step")
+    rollout_of = order.order[torch.tensor([s for members in bins for s in members], dtype=torch.long)]
+    return Bins(bins, num_mb, rollout_of)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Phase 5's result: every per-token field of this CP rank, bins contiguous, bin order."""
+
+    fields: dict
+    """Name -> per-token tensor (or None): tokens, labels, position_ids, masks, advantages,
+    log-probs, and with a correction its weights and masked/truncated flags."""
+    weights: TokenWeights
+    seq_padded: torch.Tensor
+    """int64: padded length of each sequence in bin order."""
+    total: int
+    """Padded tokens of the step (before the CP split)."""
+
+
+def token_layout(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, bins: Bins, correction,
+                 plan_cfg: PlanConfig, cp_rank: int) -> TokenLayout:
+    """5. The packed THD layout directly in bin order and, with CP, only this CP rank's positions
+    (Megatron's layout, :mod:`megatron_pg_agg.core.context_parallel`). Every per-token field is one
+    gather (see the comments: planning is memory-bound, so passes count)."""
+    rollout_of, r_total = bins.rollout_of, step.r_total
+    seq_padded = order.padded[rollout_of]
+    seq_offsets = exclusive_cumsum(seq_padded)
+    total = int(seq_offsets[-1])
+    cp = plan_cfg.cp_size
+    if cp > 1:
+        kept = cp_partition_index(seq_padded, cp, cp_rank)
+        seq = segment_of(seq_offsets, kept)
+    else:
+        kept = torch.arange(total)
+        seq = segment_ids(seq_offsets, total)
+    # Per-sequence bases, so that each per-token index is one gather of a base plus ``kept``
+    # (absolute positions in the packed layout). Every per-token field is then ONE gather from a
+    # source array with a zero "sentinel" appended: positions that read nothing (padding, prompt,
+    # masked) index the sentinel, so no clamp and no per-field where is needed. (torch.where,
+    # not masked_fill_: faster on CPU.)
+    seq_start = seq_offsets[:-1]
+    prompt_end = seq_start + batch.prompt_lengths[rollout_of]
+    seq_end = seq_start + order.length[rollout_of]
+    p_total = batch.prompt_tokens.numel()
+    r_start = order.r_start
+    token_base = torch.stack([order.p_start[rollout_of] - seq_start,        # prompt: prompt_tokens
+                              p_total + r_start[rollout_of] - prompt_end,   # response: after prompts
+                              r_start[rollout_of] - prompt_end + 1,         # scored response token
+                              step.rc_of_rollout[rollout_of] - prompt_end + 1], 1)  # its weights
+    all_tokens = torch.cat([batch.prompt_tokens, batch.response_tokens, torch.zeros(1, dtype=torch.long)])
+    pos = kept - seq_start[seq]
+    in_prompt = kept < prompt_end[seq]
+    end = seq_end[seq]
+    bases = token_base[seq]
+
+    def token_at(at, in_prompt_at):
+        """Token id at absolute position ``at`` of each token's sequence (0 past its end)."""
+        index = torch.where(in_prompt_at, bases[:, 0], bases[:, 1]).add_(at)
+        return all_tokens[torch.where(at >= end, p_total + r_total, index)]
+
+    tokens = token_at(kept, in_prompt)
+    next_pos = kept + 1
+    last = next_pos >= end  # the last real position (and padding) scores nothing
+    if cp == 1:  # sequences are contiguous: the next token is the shifted token row
+        labels = torch.zeros_like(tokens)
+        labels[:-1] = tokens[1:]
+        labels = torch.where(last, 0, labels)
+    else:
+        labels = token_at(next_pos, next_pos < prompt_end[seq])
+
+    def with_sentinel(values):
+        return None if values is None else torch.cat([values, values.new_zeros(1)])
+
+    # position P + j - 1 scores response token j: scored from the prompt's last token onwards
+    unscored = last | (next_pos < prompt_end[seq])
+    scored_index = torch.where(unscored, r_total, bases[:, 2] + kept)
+    den = with_sentinel(batch.loss_mask)[scored_index]
+    num = den if batch.numerator_mask is None else with_sentinel(batch.numerator_mask)[scored_index]
+    valid_index = torch.where(den, scored_index, r_total)  # masked positions read 0 (never NaN)
+    c_index = torch.where(den, bases[:, 3] + kept, r_total)
+    coef = with_sentinel(step.weights.coef)[c_index]
+    fields = {
+        "tokens": tokens, "labels": labels, "position_ids": pos,
+        "numerator_mask": num, "denominator_mask": den,
+        "advantages": with_sentinel(batch.advantages)[valid_index],
+        "old_logprobs": with_sentinel(batch.old_logprobs)[valid_index],
+        "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
+    }
+    if correction is not None:
+        fields["pg_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
+        fields["corr_masked"] = with_sentinel(correction.masked)[scored_index]
+        fields["corr_truncated"] = with_sentinel(correction.truncated)[scored_index]
+    weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
+                           with_sentinel(step.weights.count)[c_index], step.weights.mode)
+    return TokenLayout(fields, weights, seq_padded, total)
+
+
+def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, bins: Bins,
+                          layout: TokenLayout, plan_cfg: PlanConfig) -> StepPlan:
+    """6. Each bin a slice of every per-token tensor and a run of the host lists (computed once),
+    checked against the microbatch capacity and, where asked, padded to one length."""
+    dp, cp, num_mb = plan_cfg.dp_size, plan_cfg.cp_size, bins.num_microbatches
+    rollout_of = bins.rollout_of
+    seq_pad_all = layout.seq_padded.tolist()
+    seq_real_all = order.length[rollout_of].tolist()
+    numerator_per_rollout = torch.zeros(len(batch), dtype=torch.float32).index_add_(
+        0, segment_ids(order.r_start, step.r_total),
+        (batch.loss_mask if batch.numerator_mask is None else batch.numerator_mask).float())
+    seq_num_all = numerator_per_rollout[rollout_of].tolist()
+    originals_all = rollout_of.tolist()
+    members_of = bins.members
+    bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
+                 for first, members in zip(running_sums([0] + [len(m) for m in members_of])[:-1], members_of)]
+    if plan_cfg.capacity is not None and max(bin_sizes) > plan_cfg.capacity:
+        b = max(range(len(members_of)), key=lambda k: bin_sizes[k])
+        raise PlanError(
+            f"{len(batch)} sequences ({layout.total} padded tokens) do not fit {dp} DP ranks x {num_mb} "
+            f"microbatches of {plan_cfg.capacity} tokens: microbatch {b // dp} of DP rank {b % dp} "
+            f"would hold {bin_sizes[b]}; use more microbatches (a larger global batch) or a larger "
+            "capacity (--seq-length)")
+    if plan_cfg.microbatch_tokens is not None:
+        uniform = plan_cfg.microbatch_tokens
+    else:
+        uniform = max(bin_sizes) if plan_cfg.uniform_microbatch_tokens else None
+    correction = "pg_weights" in layout.fields
+    microbatches = [[None] * num_mb for _ in range(dp)]
+    bin_tokens = [[0] * num_mb for _ in range(dp)]
+    start, first = 0, 0
+    for b, members in enumerate(members_of):
+        rank, mb = b % dp, b // dp
+        here = slice(first, first + len(members))
+        first += len(members)
+        seq_pad = seq_pad_all[here]
+        size = bin_sizes[b]
+        part = slice(start // cp, (start + size) // cp)
+        start += size
+        bin_tokens[rank][mb] = size
+        extra = uniform - size if uniform is not None else 0
+        if extra and cp > 1:
+            raise PlanError("padding microbatches to one length with cp_size > 1 is not supported: the extra "
+                            "padding would not follow the CP chunk layout")
+        cut = {k: (None if v is None else v[part]) for k, v in layout.fields.items()}
+        report = _correction_report(cut) if correction else None
+        for k in ("corr_masked", "corr_truncated"):
+            cut.pop(k, None)
+        w = layout.weights[part]
+        if extra:  # the last sequence's padding grows; the extra positions score nothing
+            seq_pad[-1] += extra
+            cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
+            w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(extra), w.count.new_zeros(extra), w.mode)])
+        cu_padded = torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32)
+        microbatches[rank][mb] = Microbatch(
+            tokens=cut["tokens"].unsqueeze(0),
+            labels=cut["labels"].unsqueeze(0),
+            position_ids=cut["position_ids"].unsqueeze(0),
+            numerator_mask=cut["numerator_mask"],
+            denominator_mask=cut["denominator_mask"],
+            advantages=cut["advantages"],
+            old_logprobs=cut["old_logprobs"],
+            ref_logprobs=cut["ref_logprobs"],
+            weights=w,
+            cu_seqlens=torch.tensor([0, *running_sums(seq_real_all[here])], dtype=torch.int32),
+            cu_seqlens_padded=cu_padded,
+            max_seqlen=max(seq_pad),
+            sequence_ids=originals_all[here],
+            cu_seqlens_local=cu_padded // cp,
+            seq_numerator_tokens=torch.tensor(seq_num_all[here], dtype=torch.float32),
+            pg_weights=cut.get("pg_weights"),
+            correction_report=report,
+        )
+    flat = [t for row in bin_tokens for t in row]
+    per_rank = [sum(row) for row in bin_tokens]
+    stats = {
+        "sequences": len(batch),
+        "groups": len(order.group_sizes),
+        "tokens": int(order.length.sum()),
+        "padded_tokens": layout.total,
+        "microbatches_per_rank": num_mb,
+        "microbatch_balance": max(flat) / (sum(flat) / len(flat)),
+        "rank_balance": max(per_rank) / (sum(per_rank) / len(per_rank)),
+        "pg_weight": step.totals.pg_weight,
+        "valid_tokens": step.totals.valid_tokens,
+    }
+    return StepPlan(microbatches, step.totals, order.group_sizes, bin_tokens, stats)
+
+
+def require_inputs(batch: RolloutBatch, loss_cfg) -> None:
+    """The per-token inputs the loss config needs are in the data (a PlanError names the flag)."""
+    if loss_cfg.needs_reference and batch.ref_logprobs is None:
+        raise PlanError("ref_logprobs is missing (on at least one rollout) but kl_coef > 0 needs it")
+    if getattr(loss_cfg, "rollout_correction", None) and batch.rollout_logprobs is None:
+        raise PlanError(f"rollout_logprobs is missing (on at least one rollout) but the rollout correction "
+                        f"{loss_cfg.rollout_correction!r} needs it: add the rollout engine's log-probs to "
+                        "the rollouts, or drop --pg-rollout-correction")
+
+
+def policy_loss_notes(batches: dict, loss_cfg) -> list:
+    """What a user should read once at start-up about the policy loss on these rollout steps
+    (``{step: RolloutBatch}``): GSPO is the paper's objective only under seq_mean (other modes
+    weight each sequence's term by its length), and its sequence ratio assumes one advantage
+    per sequence (token-level advantages are used as given, and reported)."""
+    if getattr(loss_cfg, "policy_loss", "ppo") != "gspo":
+        return []
+    notes = []
+    if loss_cfg.canonical_mode != "seq_mean":
+        notes.append(f"gspo with --pg-loss-aggregation {loss_cfg.canonical_mode}: each sequence's GSPO term is "
+                     "weighted by its length; the paper's GSPO (value and gradient) is gspo under seq_mean")
+    varying = total = 0
+    for batch in batches.values():
+        r_start = exclusive_cumsum(batch.response_lengths)
+        owner = segment_ids(r_start, int(r_start[-1]))
+        adv = batch.advantages.double()
+        big = torch.finfo(torch.float64).max
+        low = torch.full((len(batch),), big, dtype=torch.float64).scatter_reduce(
+            0, owner, torch.where(batch.loss_mask, adv, big), reduce="amin")
+        high = torch.full((len(batch),), -big, dtype=torch.float64).scatter_reduce(
+            0, owner, torch.where(batch.loss_mask, adv, -big), reduce="amax")
+        varying += int(((high - low) > 1e-6).sum())
+        total += len(batch)
+    if varying:
+        notes.append(f"gspo: advantages vary within {varying} of {total} sequences; GSPO's sequence ratio "
+                     "assumes one advantage per sequence (token-level advantages are used as given)")
+    return notes
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """A step's rollout-engine correction on the response tokens (rollout order), host tensors."""
+
+    numerator_mask: torch.Tensor
+    """bool: the numerator after masking (tokens outside [c, C] leave it; the denominator stays)."""
+    weights: torch.Tensor
+    """float32: the weight of each token's PG term (truncated importance weight, else 1)."""
+    masked: torch.Tensor
+    """bool: valid tokens the correction removed from the numerator."""
+    truncated: torch.Tensor
+    """bool: valid tokens whose weight was capped at C."""
+
+
+def rollout_correction(batch: RolloutBatch, loss_cfg) -> Optional[RolloutCorrection]:
+    """The correction ``loss_cfg.rollout_correction`` asks for (None when off), from
+    ``delta_t = old_logprobs_t - rollout_logprobs_t`` (the trainer's behaviour policy against the
+    engine that sampled): token_truncate ``w_t = min(exp(delta_t), C)`` (TIS); token_mask keeps
+    tokens with ``exp(delta_t)`` in ``[c, C]``; sequence_truncate ``w_i = min(exp(mean_i delta), C)``
+    and sequence_mask keep or drop a whole sequence on ``exp(mean_i delta)``, the mean over the
+    sequence's valid (denominator) tokens. Computed once per step on the host."""
+    kind = getattr(loss_cfg, "rollout_correction", None)
+    if kind is None:
+        return None
+    valid = batch.loss_mask
+    numerator = valid if batch.numerator_mask is None else batch.numerator_mask
+    delta = torch.where(valid, batch.old_logprobs.double() - batch.rollout_logprobs.double(), 0.0)
+    if kind.startswith("sequence"):
+        r_start = exclusive_cumsum(batch.response_lengths)
+        owner = segment_ids(r_start, int(r_start[-1]))
+        n = len(batch)
+        sums = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, delta)
+        counts = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, valid.double())
+        delta = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)[owner]
+    ratio = torch.exp(delta)
+    cap, floor = loss_cfg.rollout_correction_max, loss_cfg.rollout_correction_min
+    no = torch.zeros_like(valid)
+    if kind.endswith("truncate"):
+        truncated = valid & (ratio > cap)
+        weights = torch.where(valid, ratio.clamp(max=cap), 1.0).float()
+        return RolloutCorrection(numerator, weights, no, truncated)
+    keep = (ratio >= floor) & (ratio <= cap)
+    return RolloutCorrection(numerator & keep, torch.ones_like(ratio, dtype=torch.float32), valid & ~keep, no)
+
+
+def _correction_report(cut: dict) -> dict:
+    """Per-microbatch host sums: ``[masked, valid]``, ``[truncated, valid]``, ``[sum w, numerator]``."""
+    den = cut["denominator_mask"]
+    valid = float(den.sum())
+    num = cut["numerator_mask"]
+    return {
+        "correction_masked": torch.tensor([float(cut["corr_masked"].sum()), valid]),
+        "correction_truncated": torch.tensor([float(cut["corr_truncated"].sum()), valid]),
+        "correction_weight": torch.tensor([float(torch.where(num, cut["pg_weights"], 0.0).sum()),
+                                           float(num.sum())]),
+    }
+
+
+def _choose_microbatches(padded: list, cfg: PlanConfig) -> int:
+    if cfg.num_microbatches is not None:
+        if cfg.num_microbatches < 1:
+            raise PlanError(f"num_microbatches must be >= 1; got {cfg.num_microbatches}")
+        return cfg.num_microbatches
+    cap = cfg.capacity
+    if cap is None:
+        return 1
+    num_mb = max(1, -(-sum(padded) // (cfg.dp_size * cap)))
+    while True:  # LPT may overflow a bin that a perfect packing would not: add microbatches
+        bins = _lpt_bins(padded, cfg.dp_size * num_mb)
+        if max(sum(padded[i] for i in b) for b in bins) <= cap:
+            return num_mb
+        num_mb += 1

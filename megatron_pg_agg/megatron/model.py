@@ -1,0 +1,220 @@
+"""Megatron-core GPT models for the trainer, the workers and the parity checks.
+
+WHY
+    The aggregation is only proven exact if the real megatron-core pieces run: GPTModel,
+    tensor-parallel layers, the pipeline schedules, DDP and ``finalize_model_grads``. These
+    helpers build them one way everywhere (tests, ``tests/distributed`` workers, benchmarks):
+
+    * :func:`transformer_config`: a ``TransformerConfig`` with ``calculate_per_token_loss=True``
+      whose fusions follow the device (:func:`device_settings`: off on CPU, Megatron-LM's
+      defaults on CUDA).
+    * :func:`gpt_layer_spec`: TE's layer spec on a CUDA machine with Transformer Engine,
+      otherwise the local spec with :class:`~megatron_pg_agg.megatron.thd_attention.ThdDotProductAttention`
+      as core attention (packed THD batches need it: the local attention rejects them).
+    * :func:`build_gpt` / :func:`build_model_chunks` / :func:`wrap_in_ddp`.
+
+    On CPU apply the ``cpu_gloo`` patch first (``megatron_pg_agg.patches``).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .thd_attention import ThdDotProductAttention
+
+__all__ = [
+    "build_model_chunks",
+    "build_gpt",
+    "default_ddp_config",
+    "gpt_layer_spec",
+    "device_settings",
+    "te_usable",
+    "transformer_config",
+    "wrap_in_ddp",
+]
+
+# What every model built here needs, on any device.
+_CONTRACT = dict(
+    # the exact aggregation needs the 3-tuple loss contract
+    calculate_per_token_loss=True,
+    # RL ratios compare the trainer's log-probs with the rollout's: the same network both times
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    # Packed micro-batches of different lengths need variable_seq_lengths=True (p2p exchanges
+    # shapes first); callers turn it on under PP. The dispatcher setting is unused by a dense
+    # model, but TransformerConfig rejects the default "allgather" together with
+    # variable_seq_lengths=True even without experts.
+    variable_seq_lengths=False,
+    moe_token_dispatcher_type="alltoall",
+)
+
+
+def _no_cuda_graph_modules() -> dict:
+    """No CUDA-graph modules, under the field name of the installed release: ``cuda_graph_scope``
+    up to 0.17, ``cuda_graph_modules`` from 0.18 (which deprecates the old name and warns on it).
+    The same as megatron-core's default "full" (no CUDA graphs are captured either way), without
+    the deprecation warning that default itself raises in 0.16."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(TransformerConfig)}
+    return {"cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope": []}
+
+JIT_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion")
+"""Fusions megatron-core compiles itself (torch JIT / its own kernels): CUDA only."""
+TE_FUSIONS = ("apply_rope_fusion", "gradient_accumulation_fusion", "persist_layer_norm")
+"""Fusions that call Transformer Engine's (or apex's) kernels."""
+
+# CPU (gloo): fp32, weights built on the CPU, every fused kernel off, and no batched p2p (gloo
+# mismatches batched isend/irecv with interleaved pipelines, and the sync after it is a
+# torch.cuda.synchronize; see patches/cpu_gloo.py).
+_CPU = dict(
+    params_dtype=torch.float32,
+    pipeline_dtype=torch.float32,
+    use_cpu_initialization=True,
+    batch_p2p_comm=False,
+    batch_p2p_sync=False,
+    **{name: False for name in JIT_FUSIONS + TE_FUSIONS},
+)
+
+
+def device_settings(cuda: Optional[bool] = None, te: Optional[bool] = None) -> dict:
+    """``TransformerConfig`` fields that follow the device. CPU: :data:`_CPU` (fused kernels off).
+    CUDA: Megatron-LM's training defaults: :data:`JIT_FUSIONS` on, and :data:`TE_FUSIONS` on
+    when Transformer Engine is usable."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return dict(_CPU)
+    te = te_usable() if te is None else te
+    return {**{name: True for name in JIT_FUSIONS}, **{name: te for name in TE_FUSIONS}}
+
+
+def transformer_config(**overrides) -> TransformerConfig:
+    """A ``TransformerConfig`` with the loss contract (:data:`_CONTRACT`) and the settings of the
+    device it runs on (:func:`device_settings`); ``overrides`` win.
+
+    Pass the sizes and the parallel sizes here (``tensor_model_parallel_size``,
+    ``pipeline_model_parallel_size``, ``virtual_pipeline_model_parallel_size``,
+    ``context_parallel_size``); they must match ``parallel_state``. The tiny models of the parity
+    harness and the tests are ``megatron_pg_agg.parity.models.tiny_transformer_config``.
+    """
+    return TransformerConfig(**{**_CONTRACT, **_no_cuda_graph_modules(), **device_settings(), **overrides})
+
+
+def te_usable() -> bool:
+    """Transformer Engine importable and CUDA available (TE's attention needs a GPU)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def gpt_layer_spec(use_te: Optional[bool] = None, num_experts: Optional[int] = None) -> ModuleSpec:
+    """The GPT layer spec: TE's when ``use_te`` is not False and TE is usable, else the local spec
+    with ``ThdDotProductAttention`` at ``submodules.self_attention.submodules.core_attention``.
+    ``num_experts`` (MoE): megatron-core's MoE layer (router, experts, token dispatcher) as the
+    MLP of every layer, as ``get_gpt_layer_*_spec(num_experts=...)`` builds it.
+
+    ``use_te=True`` without a usable TE raises instead of silently falling back.
+    """
+    if use_te is None:
+        use_te = te_usable()
+    if use_te:
+        if not te_usable():
+            raise RuntimeError("use_te=True needs transformer_engine and a CUDA device")
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts)
+    spec.submodules.self_attention.submodules.core_attention = ThdDotProductAttention
+    return spec
+
+
+def build_gpt(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_seq_len: int,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: Optional[int] = None,
+    *,
+    spec: Optional[ModuleSpec] = None,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = True,
+) -> GPTModel:
+    """A megatron-core ``GPTModel`` for one (virtual) pipeline stage; ``spec`` defaults to
+    :func:`gpt_layer_spec` (MoE layers when ``config.num_moe_experts`` is set). Tied embeddings
+    with PP > 1 need the ``cpu_gloo`` patch on CPU."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=(spec if spec is not None
+                                else gpt_layer_spec(num_experts=config.num_moe_experts)),
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(
+    config: TransformerConfig, vocab_size: int, max_seq_len: int, **kwargs
+) -> list[GPTModel]:
+    """This rank's model chunks for the current ``parallel_state``: one per virtual stage
+    (one in all without interleaving), with ``pre_process``/``post_process`` from the stage."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp != config.virtual_pipeline_model_parallel_size:
+        raise ValueError(
+            f"config.virtual_pipeline_model_parallel_size="
+            f"{config.virtual_pipeline_model_parallel_size} but parallel_state has {vpp}"
+        )
+    stages = [None] if vpp is None else list(range(vpp))
+    return [
+        build_gpt(
+            config,
+            vocab_size,
+            max_seq_len,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
+            vp_stage=s,
+            **kwargs,
+        )
+        for s in stages
+    ]
+
+
+def default_ddp_config(**overrides) -> DistributedDataParallelConfig:
+    """DDP settings the per-token-loss contract needs (``average_in_collective=False``: with
+    ``calculate_per_token_loss`` DDP sums over DP x CP and ``finalize_model_grads`` divides by the
+    global token count; gloo has no ``ReduceOp.AVG`` anyway)."""
+    kwargs = dict(
+        use_distributed_optimizer=False,
+        average_in_collective=False,
+        overlap_grad_reduce=False,
+        grad_reduce_in_fp32=False,
+    )
+    return DistributedDataParallelConfig(**{**kwargs, **overrides})
+
+
+def wrap_in_ddp(
+    chunks: list[torch.nn.Module],
+    config: TransformerConfig,
+    ddp_config: Optional[DistributedDataParallelConfig] = None,
+) -> list[DistributedDataParallel]:
+    """Wrap each chunk in megatron-core DDP (bucketing only for the first chunk, as Megatron-LM)."""
+    ddp_config = ddp_config if ddp_config is not None else default_ddp_config()
+    return [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+        )
+        for i, chunk in enumerate(chunks)
+    ]

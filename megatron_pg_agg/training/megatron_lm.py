@@ -1,0 +1,530 @@
+"""The policy-gradient actor inside Megatron-LM's own training loop (``pretrain()``).
+
+``launch/pretrain_actor.py`` is the torchrun entry point; this module holds its pieces. Megatron-LM
+owns the loop, the model flags, checkpoints (``--save``/``--load``), LR schedule, logging and
+TensorBoard; the project adds only what the objective needs:
+
+* flags (``extra_args_provider``): the ``--pg-*`` loss flags, ``--pg-rollouts FILE`` (the rollout
+  JSONL format; default: the built-in synthetic set), ``--pg-metrics-file FILE``;
+* a model provider: Megatron-LM's own ``model_provider(gpt_builder, ...)``, so every model flag
+  works; without Transformer Engine (CPU) the local spec's core attention is given packed-THD
+  boundaries (:func:`megatron_pg_agg.megatron.thd_attention.use_thd_core_attention`);
+* a data provider (``--dataloader-type external``): per optimizer step, rollout step
+  ``iteration mod (number of steps)`` is planned on the host (:func:`~megatron_pg_agg.data.planner.plan_step`)
+  into exactly ``get_num_microbatches()`` THD microbatches per DP rank of at most ``--seq-length``
+  tokens (padded to exactly ``--seq-length`` with PP > 1: Megatron-LM's p2p buffers have that
+  shape); the step weights are computed once per step before the split;
+* the forward step and loss function of :mod:`megatron_pg_agg.megatron.loss_func` (the 3-tuple
+  per-token contract that ``--calculate-per-token-loss`` turns on);
+* start-up checks that exit with status 2 listing every problem, before the first step;
+* one console line per logged iteration (Megatron-LM's own console drops values that are not
+  > 0, so a negative objective vanishes there), TensorBoard scalars through Megatron-LM's writer,
+  and ``--pg-metrics-file`` JSON lines.
+
+Iteration ``i`` (0-based) trains on rollout step ``i mod S``: the data position is Megatron-LM's
+iteration counter, restored by its ``--load``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+ENV_CHECKOUT = "MEGATRON_LM_PATH"
+PG_PREFIX = "[pg]"
+
+
+class StartupError(ValueError):
+    """A run refused before its first step (exit status 2); the message lists every problem."""
+
+
+def _say(message: str) -> None:
+    """One line on rank 0's stderr (every rank reaches the same conclusions)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PG_PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the checkout
+
+
+def find_checkout(argv: list) -> str:
+    """The Megatron-LM root from ``--megatron-lm PATH`` (or ``=PATH``), else ``$MEGATRON_LM_PATH``.
+
+    Raises StartupError when neither names a directory holding ``megatron/training``."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--megatron-lm" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--megatron-lm="):
+            path = arg.split("=", 1)[1]
+    source = "--megatron-lm"
+    if path is None:
+        path, source = os.environ.get(ENV_CHECKOUT), ENV_CHECKOUT
+    if not path:
+        raise StartupError(f"no Megatron-LM checkout: pass --megatron-lm PATH or set {ENV_CHECKOUT} "
+                           "(a checkout of NVIDIA Megatron-LM, tags core_v0.15.x to core_v0.19.x)")
+    root = os.path.abspath(path)
+    if not os.path.isdir(os.path.join(root, "megatron", "training")):
+        raise StartupError(f"{source} {path}: no megatron/training there; expected the root of a "
+                           "Megatron-LM checkout (tags core_v0.15.x to core_v0.19.x)")
+    return root
+
+
+def use_checkout(root: str) -> None:
+    """Put the checkout first on ``sys.path``: ``megatron.training`` and the top-level
+    ``model_provider``/``gpt_builders`` come from it (``megatron`` is a namespace package, so the
+    installed megatron-core still supplies ``megatron.core`` where the checkout has none)."""
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def add_actor_args(parser):
+    """``extra_args_provider`` of the entry point: the ``--pg-*`` loss flags and the data flags.
+
+    ``--eval-iters`` defaults to 0 here: an RL actor step has no validation set (a value > 0 is
+    refused at start-up); ``--eval-interval`` gets a default because Megatron-LM's sample count
+    divides by it even when nothing is evaluated."""
+    from .args import add_pg_agg_args
+
+    add_pg_agg_args(parser)
+    group = parser.add_argument_group("policy-gradient data (megatron_pg_agg)")
+    group.add_argument("--pg-rollouts", default=None, metavar="FILE",
+                       help="rollout JSON Lines (README: schema); default: the built-in synthetic set")
+    group.add_argument("--pg-metrics-file", default=None, metavar="FILE",
+                       help="append one JSON record per iteration (rank 0)")
+    group.add_argument("--megatron-lm", default=None, metavar="PATH",
+                       help=f"Megatron-LM checkout root (else ${ENV_CHECKOUT})")
+    parser.set_defaults(eval_iters=0, eval_interval=1000)
+    return parser
+
+
+def startup_problems(args, *, cuda: bool) -> list:
+    """Every problem in the parsed Megatron-LM flags that would make the objective wrong or the
+    run fail later; empty when the run may start. Pure: reads ``args`` only."""
+    problems = []
+    if not args.calculate_per_token_loss:
+        problems.append(
+            "--calculate-per-token-loss is missing: without it Megatron-LM divides each microbatch's "
+            "loss by its own count and averages the microbatch means, which is not the chosen "
+            "aggregation (it trains silently with different gradients). Add --calculate-per-token-loss.")
+    if args.dataloader_type not in (None, "external"):
+        problems.append(
+            f"--dataloader-type {args.dataloader_type}: the actor's microbatches come from the rollout "
+            "planner as an external iterator; drop the flag (it is set to external) or pass "
+            "--dataloader-type external.")
+    if args.micro_batch_size != 1:
+        problems.append(
+            f"--micro-batch-size {args.micro_batch_size}: rollouts are packed as THD, one row of at most "
+            "--seq-length tokens per microbatch; use --micro-batch-size 1 and raise --seq-length.")
+    if args.eval_iters:
+        problems.append(f"--eval-iters {args.eval_iters}: the actor has no validation set; use --eval-iters 0.")
+    if args.train_iters is None:
+        problems.append("--train-iters is required (one iteration = one optimizer step = one rollout step).")
+    if getattr(args, "ddp_average_in_collective", False):
+        problems.append("--ddp-average-in-collective averages gradients over DP before the division by "
+                        "the global weight; drop it.")
+    if args.mtp_num_layers:
+        problems.append("--mtp-num-layers (multi-token prediction) is not supported yet: its loss is a "
+                        "token sum per microbatch outside the chosen aggregation.")
+    if args.pg_skip_nonfinite_steps:
+        problems.append("--pg-skip-nonfinite-steps belongs to launch/train_actor.py; in Megatron-LM a "
+                        "non-finite loss or gradient is handled by its own --check-for-nan-in-loss-and-grad "
+                        "(on by default: the run stops) and, with fp16, by skipped iterations.")
+    if args.pg_rollouts is not None and not os.path.isfile(args.pg_rollouts):
+        problems.append(f"--pg-rollouts {args.pg_rollouts}: no such file.")
+    if not cuda:
+        cpu_needs = [
+            (args.distributed_backend != "gloo", "--distributed-backend gloo"),
+            (args.transformer_impl != "local", "--transformer-impl local (Transformer Engine needs CUDA)"),
+            (args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
+            (not args.no_persist_layer_norm, "--no-persist-layer-norm"),
+            (args.bf16 or args.fp16, "no --bf16/--fp16 (megatron-core's mixed-precision optimizer wraps CUDA tensors only)"),
+            (args.context_parallel_size > 1, "--context-parallel-size 1 (CP attention needs Transformer Engine)"),
+            (args.sequence_parallel, "no --sequence-parallel (the local spec's torch norms refuse it)"),
+        ]
+        wrong = [fix for bad, fix in cpu_needs if bad]
+        if wrong:
+            problems.append("on CPU (no CUDA) Megatron-LM needs: " + "; ".join(wrong) + ".")
+    return problems
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class PlannedMicrobatch:
+    """One item of the data iterator: a THD microbatch and its step's host totals."""
+
+    microbatch: "object"  # planner.Microbatch
+    totals: "object"  # losses.StepTotals
+    iteration: int
+    """0-based iteration (optimizer step) the microbatch belongs to."""
+
+
+class RolloutFeed:
+    """The rollout steps of a run, planned per iteration on the host (identically on every rank).
+
+    ``steps`` maps a step key to its :class:`~megatron_pg_agg.data.rollouts.RolloutBatch`; iteration
+    ``i`` trains on ``steps[keys[i mod S]]``."""
+
+    def __init__(self, steps: dict, loss_cfg, plan_cfg, *, dp_rank: int, cp_rank: int, pin: bool = False):
+        self.steps, self.keys = steps, sorted(steps)
+        self.pin = pin  # CUDA: page-locked microbatches, so the forward step's copies are async
+        self.loss_cfg, self.plan_cfg = loss_cfg, plan_cfg
+        self.dp_rank, self.cp_rank = dp_rank, cp_rank
+        self._plans: dict = {}
+
+    def step_key(self, iteration: int):
+        return self.keys[iteration % len(self.keys)]
+
+    def plan(self, iteration: int):
+        """The plan of ``iteration`` (each rollout step is planned once and kept)."""
+        from megatron_pg_agg.data.planner import plan_step
+
+        key = self.step_key(iteration)
+        if key not in self._plans:
+            plan = plan_step(self.steps[key], self.loss_cfg, self.plan_cfg, cp_rank=self.cp_rank)
+            if self.pin:
+                plan.microbatches = [[mb.pin_memory() for mb in row] for row in plan.microbatches]
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def problems(self) -> list:
+        """Plan every step once (vocabulary, capacity, microbatch count), listing each failure."""
+        from megatron_pg_agg.data.rollouts import PlanError
+
+        found = []
+        for i, key in enumerate(self.keys):
+            try:
+                self.plan(i)
+            except PlanError as err:
+                found.append(f"rollout step {key}: {err}")
+        return found
+
+    def microbatches(self, start_iteration: int) -> Iterator[PlannedMicrobatch]:
+        """This rank's microbatches, iteration after iteration, from ``start_iteration`` on."""
+        iteration = start_iteration
+        while True:
+            plan = self.plan(iteration)
+            for mb in plan.for_rank(self.dp_rank):
+                yield PlannedMicrobatch(mb, plan.totals, iteration)
+            iteration += 1
+
+
+def load_steps(data, loss_cfg, *, vocab_size: Optional[int], seed: int) -> dict:
+    """``{step: RolloutBatch}`` from ``data.rollouts`` (``--pg-rollouts``; format errors:
+    StartupError) or the built-in synthetic set (vocabulary ``--vocab-size``, seeded by ``--seed``).
+    ``data``: :class:`~megatron_pg_agg.training.run_config.DataConfig`; ``loss_cfg``: the run's
+    ``PGLossConfig`` (a KL penalty makes reference log-probs mandatory)."""
+    from megatron_pg_agg.data.rollouts import PlanError, RolloutBatch
+
+    if data.rollouts is None:
+        from megatron_pg_agg.data.synthetic import synthetic_rollouts
+
+        if vocab_size is None:
+            raise StartupError("the built-in synthetic rollouts need --vocab-size (or pass --pg-rollouts FILE)")
+        steps = synthetic_rollouts(vocab_size=vocab_size, seed=seed)
+    else:
+        from megatron_pg_agg.data.rollout_files import RolloutFormatError, load_rollouts
+
+        try:
+            steps = load_rollouts(data.rollouts, require_ref=loss_cfg.needs_reference)
+        except RolloutFormatError as err:
+            raise StartupError(str(err)) from err
+    try:
+        return {key: RolloutBatch.from_rollouts(rollouts) for key, rollouts in steps.items()}
+    except PlanError as err:
+        raise StartupError(str(err)) from err
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class Actor:
+    """The providers handed to ``pretrain()`` and the per-iteration log, for one run.
+
+    Built on every rank before ``pretrain()``; the data feed is built when Megatron-LM asks for
+    data (after the model, the optimizer and ``--load``), so it starts at the loaded iteration."""
+
+    def __init__(self, args, steps: dict, *, cuda: bool, loss_cfg):
+        self.loss_cfg = loss_cfg
+        """The run's ``PGLossConfig`` (built once in :func:`run`)."""
+        self.steps, self.cuda = steps, cuda
+        self.feed: Optional[RolloutFeed] = None
+        self.metrics_path = args.pg_metrics_file
+        self._checked_config = False
+        self.moe = bool(args.num_experts)
+        """Routers' aux/z losses keep Megatron's strength: patch ``moe_aux_loss``, factor per step."""
+        self._moe_iteration = None
+        self._first_logged: Optional[int] = None
+
+    # Megatron-LM's model provider, with the THD core attention where TE is not used
+    def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+        """Megatron-LM's own ``model_provider(gpt_builder, ...)``. ``config`` and
+        ``pg_collection`` are passed by name where it takes them (core_v0.16+); core_v0.15's
+        ``get_model`` never gives them."""
+        import inspect
+
+        from gpt_builders import gpt_builder
+        from model_provider import model_provider
+
+        from megatron_pg_agg.megatron.thd_attention import use_thd_core_attention
+
+        accepted = inspect.signature(model_provider).parameters
+        # a value given for a parameter it lacks is passed anyway: a TypeError, never dropped
+        extra = {k: v for k, v in (("config", config), ("pg_collection", pg_collection))
+                 if k in accepted or v is not None}
+        model = model_provider(gpt_builder, pre_process, post_process, vp_stage, **extra)
+        use_thd_core_attention(model)
+        return model
+
+    def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
+        """``(train iterator, None, None)``; one iterator per call (one per virtual stage)."""
+        if self.feed is None:
+            self.feed = self._build_feed()
+        from megatron.training import get_args
+
+        return self.feed.microbatches(get_args().iteration), None, None
+
+    datasets_provider.is_distributed = True  # every rank (TP ranks too) builds its own iterator
+
+    def _build_feed(self) -> RolloutFeed:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+
+        from megatron_pg_agg.data.planner import PlanConfig
+
+        args = get_args()
+        pp = args.pipeline_model_parallel_size
+        plan_cfg = PlanConfig(
+            dp_size=mpu.get_data_parallel_world_size(),
+            num_microbatches=get_num_microbatches(),
+            tp_size=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            cp_size=args.context_parallel_size,
+            vocab_size=args.padded_vocab_size,
+            microbatch_tokens=args.seq_length if pp > 1 else None,
+            max_tokens_per_microbatch=args.seq_length,
+        )
+        feed = RolloutFeed(self.steps, self.loss_cfg, plan_cfg, dp_rank=mpu.get_data_parallel_rank(),
+                           cp_rank=mpu.get_context_parallel_rank(), pin=self.cuda)
+        problems = feed.problems()
+        if problems:
+            raise StartupError(
+                "refusing to start: the rollouts do not fit Megatron-LM's flags (padded vocabulary "
+                f"{args.padded_vocab_size}, {plan_cfg.num_microbatches} microbatches of at most "
+                f"{args.seq_length} tokens per DP rank):\n- " + "\n- ".join(problems))
+        from megatron_pg_agg.data.planner import policy_loss_notes
+
+        for note in policy_loss_notes(self.steps, self.loss_cfg):
+            _say(f"note: {note}")
+        if mpu.get_data_parallel_rank() == 0 and args.rank == 0:
+            _say(f"{len(feed.keys)} rollout steps, mode={self.loss_cfg.canonical_mode}, "
+                 f"{plan_cfg.num_microbatches} microbatches x DP {plan_cfg.dp_size} per step, "
+                 f"starting at iteration {args.iteration} (rollout step {feed.step_key(args.iteration)})")
+        return feed
+
+    def forward_step(self, data_iterator, model):
+        """Megatron-LM forward step: the next planned microbatch through the model, and the
+        per-token loss function with that step's host totals."""
+        from functools import partial
+
+        from megatron.core import parallel_state as mpu
+
+        from megatron_pg_agg.megatron.loss_func import forward_microbatch, pg_loss_func
+
+        if not self._checked_config:
+            self._check_config(model)
+        item = next(data_iterator)
+        if self.moe and item.iteration != self._moe_iteration:
+            # once per step, before its first forward: under 1F1B the step's backwards all
+            # finish before the optimizer step, so no later step's factor can reach them
+            from megatron_pg_agg.megatron.moe import begin_moe_step
+
+            begin_moe_step(item.totals.pg_weight, self.feed.plan_cfg.num_microbatches, self.feed.plan_cfg.dp_size)
+            self._moe_iteration = item.iteration
+        mb = item.microbatch.to("cuda") if self.cuda else item.microbatch
+        output = forward_microbatch(model, mb)
+        return output, partial(pg_loss_func, mb, self.loss_cfg, item.totals,
+                               mpu.get_tensor_model_parallel_group(),
+                               cp_group=mpu.get_context_parallel_group())
+
+    def _check_config(self, model) -> None:
+        """The real model config and DDP config Megatron-LM built, checked before the first
+        microbatch (``finalize_model_grads_func`` is set by ``train()``, after the providers)."""
+        from megatron.core.utils import get_model_config
+
+        from megatron_pg_agg.megatron.config_checks import MegatronConfigError, check_megatron_config
+
+        try:
+            check_megatron_config(get_model_config(model), getattr(model, "ddp_config", None))
+        except MegatronConfigError as err:
+            raise StartupError(f"refusing to start: {err}") from err
+        self._checked_config = True
+
+    def on_training_log(self, event) -> None:
+        """Every rank, every iteration: share the step's reduced report from the last pipeline
+        stage (one small broadcast), then rank 0 prints, appends JSON, and the rank holding
+        Megatron-LM's TensorBoard writer writes scalars."""
+        import torch
+        import torch.distributed as dist
+        from megatron.training import get_args, get_tensorboard_writer
+
+        from megatron_pg_agg.core.losses import REPORT_KEYS
+
+        args = get_args()
+        values = torch.tensor([float(event.loss_dict[k]) if k in event.loss_dict else math.nan
+                               for k in REPORT_KEYS], dtype=torch.float64,
+                              device="cuda" if self.cuda else "cpu")
+        dist.broadcast(values, src=dist.get_world_size() - 1)
+        record = {"iteration": event.iteration}
+        for key, value in zip(REPORT_KEYS, values.tolist()):
+            record[key] = None if math.isnan(value) else value
+        totals = self.feed.plan(event.iteration - 1).totals
+        if record["objective"] is None and totals.pg_weight == 0:
+            record["objective"] = 0.0  # W = 0: J = 0 by the contract (the report pair is 0 / 0)
+        record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens,
+                      rollout_step=self.feed.step_key(event.iteration - 1), grad_norm=event.grad_norm,
+                      learning_rate=event.learning_rate, skipped=bool(event.skipped_iter))
+        writer = get_tensorboard_writer()
+        if writer and event.iteration % args.tensorboard_log_interval == 0:
+            for key in ("weight", "valid_tokens", *REPORT_KEYS):
+                if record.get(key) is not None:
+                    writer.add_scalar(f"pg/{key}", record[key], event.iteration)
+        if dist.get_rank() != 0:
+            return
+        first = self._first_logged is None
+        self._first_logged = self._first_logged or event.iteration
+        if first or event.iteration % args.log_interval == 0 or event.iteration == args.train_iters:
+            # Megatron-LM's own line comes on the same iterations (the first, then every interval)
+            shown = " | ".join(f"{k} {record[k]:.6g}" for k in
+                               ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm")
+                               if record.get(k) is not None)
+            _say(f"iteration {event.iteration}/{args.train_iters} | {shown}")
+        if self.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _single_process_defaults() -> None:
+    """Outside torchrun, a one-process run: rank 0 of 1 on a free local port."""
+    if "RANK" in os.environ:
+        return
+    from megatron_pg_agg.megatron.parallel import free_port
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+
+
+def run(argv: list) -> int:
+    """Check, then hand the run to Megatron-LM's ``pretrain()``. Returns the exit status."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:  # Megatron-LM asserts it with TP > 1 on pre-Blackwell devices; no effect on CPU
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    root = find_checkout(argv)
+    use_checkout(root)
+    from megatron_pg_agg.patches import apply_megatron_patches
+
+    from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
+
+    try:
+        apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True)
+        release = check_checkout()
+    except (UnsupportedMegatronLM, RuntimeError) as err:
+        raise StartupError(f"refusing to start: {err}") from err
+    sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv
+    args = _parse_args(release)
+    problems = startup_problems(args, cuda=cuda)
+    if problems:
+        raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+    if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
+        apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
+    from .args import config_from_args
+    from .run_config import DataConfig
+
+    # the loss and data configs as launch/train_actor.py builds them (the parser checked the loss)
+    loss_cfg, data = config_from_args(args), DataConfig.from_megatron_lm_args(args)
+    steps = load_steps(data, loss_cfg, vocab_size=args.vocab_size, seed=args.seed)  # before any process group
+    if not any(a == "--dataloader-type" or a.startswith("--dataloader-type=") for a in argv):
+        _say("--dataloader-type external (set: the planner feeds the microbatches)")
+    actor = Actor(args, steps, cuda=cuda, loss_cfg=loss_cfg)
+    from megatron_pg_agg.patches import megatron_lm_log
+
+    megatron_lm_log.add_observer(actor.on_training_log)
+    try:
+        _pretrain(release, args, actor)
+    finally:
+        megatron_lm_log.remove_observer(actor.on_training_log)
+    return 0
+
+
+ARGS_DEFAULTS = {"dataloader_type": "external"}
+"""Megatron-LM ``args_defaults``: the planner feeds the microbatches."""
+
+
+def _parse_args(release):
+    """Megatron-LM's flags plus the actor's, parsed once for the start-up checks. Up to
+    core_v0.17 ``pretrain()`` parses and validates again itself (``extra_args_provider``); from
+    core_v0.18 ``parse_and_validate_args`` is the one parse and sets Megatron-LM's globals."""
+    if release.uses_config_container:
+        from megatron.training.arguments import parse_and_validate_args
+
+        return parse_and_validate_args(extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS)
+    from megatron.training.arguments import parse_args
+
+    return parse_args(add_actor_args)
+
+
+def _pretrain(release, args, actor) -> None:
+    """Megatron-LM's ``pretrain()`` with the actor's providers, every argument bound by name.
+
+    From core_v0.18 through a config container made from ``args`` without a model config
+    (``pretrain_cfg_container_from_args(args)``): with ``cfg.model`` set, core_v0.19 builds the
+    model itself and skips ``get_model`` and the model provider, and with them the THD core
+    attention hook and the CPU patch's ``get_model`` path; without it both run as up to 0.17."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    providers = dict(train_valid_test_dataset_provider=actor.datasets_provider,
+                     model_provider=actor.model_provider, model_type=ModelType.encoder_or_decoder,
+                     forward_step_func=actor.forward_step)
+    if not release.uses_config_container:
+        pretrain(**providers, extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS)
+        return
+    import warnings
+
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    with warnings.catch_warnings():
+        # the deliberate choice above: no ModelConfig, so the model provider (and the hooks) run
+        warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig", category=UserWarning)
+        cfg = pretrain_cfg_container_from_args(args)
+    pretrain(cfg_container=cfg, **providers)
+
+
+def main(argv: Optional[list] = None) -> int:
+    from .worker_process import die_with_launcher, quiet_startup_noise, release_process_group
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_startup_noise(PG_PREFIX)
+    die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
+    _single_process_defaults()
+    try:
+        return run(argv)
+    except StartupError as err:
+        _say(str(err) if str(err).startswith("refusing") else f"refusing to start: {err}")
+        release_process_group()  # some refusals come after pretrain() made the group
+        return 2

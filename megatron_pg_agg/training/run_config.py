@@ -1,0 +1,432 @@
+"""One typed configuration of a ``launch/train_actor.py`` run, built once from its flags.
+
+    cfg = RunConfig.from_args(build_parser().parse_args(argv))
+    cfg.validate(world_size, backend="gloo", te=False)  # StartupError listing every problem
+
+The flags (:func:`build_parser`, Megatron-style names) are parsed once into a tree of frozen
+dataclasses: :class:`ModelConfig` (with :class:`MoEConfig`), :class:`ParallelConfig`, the loss
+(:class:`~megatron_pg_agg.core.losses.PGLossConfig`, built by
+:func:`~megatron_pg_agg.training.args.config_from_args`), :class:`DataConfig`, :class:`TrainingConfig`,
+:class:`CheckpointConfig` and :class:`LoggingConfig`. Every combination that can be refused
+before a process group or model exists is refused by :meth:`RunConfig.validate`, in one list.
+
+The Megatron-LM entry (:mod:`megatron_pg_agg.training.megatron_lm`) builds its loss config with the same
+``config_from_args`` and its data config with :meth:`DataConfig.from_megatron_lm_args`; the rest
+of its configuration is Megatron-LM's own.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .args import add_pg_agg_args, config_from_args
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.versions import installed_megatron_core_version, release_problem
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "StartupError",
+    "TrainingConfig",
+    "build_parser",
+]
+
+DEFAULT_NUM_MICROBATCHES = 2
+"""Microbatches per DP rank when neither --num-microbatches nor --max-tokens-per-microbatch is given."""
+
+DEFAULT_RUN_DIR = os.path.join("runs", "train_actor")
+"""Where the metrics go without --metrics-file and --save."""
+
+
+class StartupError(ValueError):
+    """A run configuration refused before any process group or model is built (exit status 2)."""
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``launch/train_actor.py`` (Megatron-style names, plus the ``--pg-*`` loss flags)."""
+    parser = argparse.ArgumentParser(
+        prog="train_actor", description="Train a PPO/GRPO actor with megatron-core (torchrun entry point).")
+    model = parser.add_argument_group("model (Megatron-style)")
+    model.add_argument("--num-layers", type=int, default=2)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--vocab-size", type=int, default=128, help="must cover every token id of the rollouts")
+    model.add_argument("--max-position-embeddings", type=int, default=256)
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--bf16", action="store_true", help="bf16 parameters and compute (fp32 grads/optimizer)")
+    par = parser.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    par.add_argument("--context-parallel-size", type=int, default=1)
+    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                     help="process-group timeout: a dead or hung rank fails the job after this")
+    par.add_argument("--batch-p2p-comm", action="store_true",
+                     help="batched pipeline p2p (refused with the interleaved schedule on gloo)")
+    par.add_argument("--no-calculate-per-token-loss", dest="calculate_per_token_loss", action="store_false",
+                     help="(refused) Megatron's default mean-of-microbatch-means")
+    moe = parser.add_argument_group("mixture of experts (Megatron-style; every layer's MLP is a MoE layer)")
+    moe.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense model)")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (>= 2)")
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing (aux) loss coefficient")
+    moe.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient")
+    moe.add_argument("--expert-model-parallel-size", type=int, default=1)
+    moe.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    batching = parser.add_argument_group("batching").add_mutually_exclusive_group()
+    batching.add_argument("--max-tokens-per-microbatch", type=int, default=None)
+    batching.add_argument("--num-microbatches", type=int, default=None,
+                          help=f"per DP rank (default {DEFAULT_NUM_MICROBATCHES})")
+    train = parser.add_argument_group("training")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--train-iters", type=int, default=20)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--rollouts", default=None, help="rollout JSONL (README: schema); default: built-in synthetic set")
+    train.add_argument("--save", default=None, help="checkpoint directory")
+    train.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    train.add_argument("--load", default=None, help="resume from this checkpoint directory")
+    train.add_argument("--metrics-file", default=None,
+                       help="per-step metrics JSONL (default: <save>/metrics.jsonl, else runs/train_actor/metrics.jsonl)")
+    train.add_argument("--tensorboard-dir", default=None, help="TensorBoard logs, if tensorboard is installed")
+    train.add_argument("--log-interval", type=int, default=1)
+    add_pg_agg_args(parser)
+    return parser
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: every layer's MLP is a megatron-core MoE layer (``num_experts`` set)."""
+
+    num_experts: Optional[int] = None
+    """Experts per MoE layer (``--num-experts``); None: a dense model."""
+    router_topk: int = 2
+    """Experts per token (``--moe-router-topk``, >= 2)."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing (aux) loss coefficient (``--moe-aux-loss-coeff``)."""
+    z_loss_coeff: Optional[float] = None
+    """Router z-loss coefficient (``--moe-z-loss-coeff``); None: no z-loss."""
+    token_dispatcher_type: str = "allgather"
+    """megatron-core's token dispatcher (``--moe-token-dispatcher-type``): allgather or alltoall."""
+
+    @property
+    def enabled(self) -> bool:
+        """A MoE model (``--num-experts`` given)."""
+        return self.num_experts is not None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT model (Megatron-style sizes)."""
+
+    num_layers: int = 2
+    """Transformer layers (``--num-layers``), over every pipeline stage."""
+    hidden_size: int = 64
+    """Hidden size (``--hidden-size``)."""
+    ffn_hidden_size: int = 256
+    """MLP hidden size (``--ffn-hidden-size``; the flag's default is 4 x hidden_size)."""
+    num_attention_heads: int = 4
+    """Attention heads (``--num-attention-heads``)."""
+    vocab_size: int = 128
+    """Vocabulary size (``--vocab-size``); must cover every token id of the rollouts."""
+    max_position_embeddings: int = 256
+    """Longest sequence the position embeddings cover (``--max-position-embeddings``)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate input embedding and output layer weights (``--untie-embeddings-and-output-weights``)."""
+    bf16: bool = False
+    """bf16 parameters and compute, fp32 gradients and optimizer (``--bf16``; CUDA only)."""
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts settings (dense when ``moe.num_experts`` is None)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout and process-group settings (DP is what the world size leaves)."""
+
+    tp: int = 1
+    """Tensor-parallel size (``--tensor-model-parallel-size``)."""
+    pp: int = 1
+    """Pipeline-parallel size (``--pipeline-model-parallel-size``)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual pipeline stage (``--num-layers-per-virtual-pipeline-stage``): the
+    interleaved schedule; None: no interleaving."""
+    cp: int = 1
+    """Context-parallel size (``--context-parallel-size``)."""
+    ep: int = 1
+    """Expert-parallel size (``--expert-model-parallel-size``; MoE only)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism under TP (``--sequence-parallel``)."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every process group (``--distributed-timeout-minutes``): a dead or hung rank
+    fails the job after this."""
+    batch_p2p_comm: bool = False
+    """Batched pipeline p2p (``--batch-p2p-comm``; refused with the interleaved schedule on gloo)."""
+    calculate_per_token_loss: bool = True
+    """megatron-core's per-token loss contract (``--no-calculate-per-token-loss`` turns it off,
+    which is refused: it averages microbatch means instead of the chosen objective)."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: the ranks of one data-parallel replica."""
+        return self.tp * self.pp * self.cp
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel size (without CP) for ``world_size`` ranks."""
+        return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the rollouts come from and how a step is cut into microbatches."""
+
+    rollouts: Optional[str] = None
+    """Rollout JSON Lines file (``--rollouts``; Megatron-LM: ``--pg-rollouts``); None: the
+    built-in synthetic set."""
+    max_tokens_per_microbatch: Optional[int] = None
+    """Capacity of one microbatch in padded tokens (``--max-tokens-per-microbatch``; Megatron-LM:
+    ``--seq-length``); None: no cap, the count is ``num_microbatches``."""
+    num_microbatches: Optional[int] = None
+    """Microbatches per DP rank (``--num-microbatches``, default 2 without a token cap); None: derived
+    from ``max_tokens_per_microbatch`` (Megatron-LM: its own microbatch calculator)."""
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> "DataConfig":
+        """From ``launch/train_actor.py``'s flags."""
+        capped = namespace.max_tokens_per_microbatch is not None
+        return cls(
+            rollouts=namespace.rollouts,
+            max_tokens_per_microbatch=namespace.max_tokens_per_microbatch,
+            num_microbatches=None if capped else (namespace.num_microbatches or DEFAULT_NUM_MICROBATCHES),
+        )
+
+    @classmethod
+    def from_megatron_lm_args(cls, namespace: argparse.Namespace) -> "DataConfig":
+        """From Megatron-LM's parsed flags (with ``megatron_lm.add_actor_args``): ``--pg-rollouts``.
+        The microbatches are Megatron-LM's (``--seq-length`` tokens at most, its microbatch
+        calculator's count), read when the data feed is built: both fields stay None."""
+        return cls(rollouts=namespace.pg_rollouts)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The optimizer and the loop."""
+
+    lr: float = 1e-3
+    """Adam learning rate (``--lr``; constant)."""
+    weight_decay: float = 0.0
+    """Adam weight decay (``--weight-decay``)."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip (``--clip-grad``)."""
+    train_iters: int = 20
+    """Iterations (optimizer steps) to reach (``--train-iters``); a resumed run continues to it."""
+    seed: int = 1234
+    """Seed of the weights, megatron's RNG tracker and the built-in synthetic rollouts (``--seed``)."""
+    skip_nonfinite_steps: bool = False
+    """Skip (and count) a step whose loss or gradient is not finite instead of stopping with
+    status 3 (``--pg-skip-nonfinite-steps``)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints: per-rank files under ``iter_XXXXXXX/`` and a ``latest`` marker."""
+
+    save: Optional[str] = None
+    """Checkpoint directory (``--save``); None: no checkpoint."""
+    save_interval: Optional[int] = None
+    """Iterations between checkpoints (``--save-interval``); None: only the final one."""
+    load: Optional[str] = None
+    """Resume from this checkpoint directory (``--load``); None: start from the initial weights."""
+
+    def interval_save_due(self, iteration: int) -> bool:
+        """Whether an interval checkpoint is written after ``iteration`` (the final checkpoint is
+        skipped when this already wrote one)."""
+        return bool(self.save and self.save_interval and iteration % self.save_interval == 0)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Rank 0's per-step record."""
+
+    metrics_file: str = os.path.join(DEFAULT_RUN_DIR, "metrics.jsonl")
+    """Per-step metrics JSONL (``--metrics-file``; default ``<save>/metrics.jsonl``, else
+    ``runs/train_actor/metrics.jsonl``)."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard log directory (``--tensorboard-dir``), used if tensorboard is installed."""
+    log_interval: int = 1
+    """Iterations between logged records (``--log-interval``); the last one is always logged."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a ``launch/train_actor.py`` run is configured with, built once by
+    :meth:`from_args` and checked by :meth:`validate`."""
+
+    model: ModelConfig = ModelConfig()
+    """The GPT model."""
+    parallel: ParallelConfig = ParallelConfig()
+    """The parallel layout and process-group settings."""
+    loss: PGLossConfig = PGLossConfig()
+    """What the actor optimises (the ``--pg-*`` flags)."""
+    data: DataConfig = DataConfig()
+    """Rollouts and microbatching."""
+    training: TrainingConfig = TrainingConfig()
+    """Optimizer and loop."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Saving and resuming."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metrics output."""
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> "RunConfig":
+        """The typed config of parsed :func:`build_parser` flags. A bad loss combination (which the
+        parser itself already refuses) raises :class:`StartupError`; everything else is checked by
+        :meth:`validate`."""
+        ns = namespace
+        try:
+            loss = config_from_args(ns)
+        except ValueError as err:
+            raise StartupError("refusing to start:\n- " + str(err)) from err
+        return cls(
+            model=ModelConfig(
+                num_layers=ns.num_layers, hidden_size=ns.hidden_size,
+                ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size,
+                num_attention_heads=ns.num_attention_heads, vocab_size=ns.vocab_size,
+                max_position_embeddings=ns.max_position_embeddings,
+                untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights, bf16=ns.bf16,
+                moe=MoEConfig(num_experts=ns.num_experts, router_topk=ns.moe_router_topk,
+                              aux_loss_coeff=ns.moe_aux_loss_coeff, z_loss_coeff=ns.moe_z_loss_coeff,
+                              token_dispatcher_type=ns.moe_token_dispatcher_type),
+            ),
+            parallel=ParallelConfig(
+                tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size,
+                num_layers_per_virtual_pipeline_stage=ns.num_layers_per_virtual_pipeline_stage,
+                cp=ns.context_parallel_size, ep=ns.expert_model_parallel_size,
+                sequence_parallel=ns.sequence_parallel, distributed_timeout_minutes=ns.distributed_timeout_minutes,
+                batch_p2p_comm=ns.batch_p2p_comm, calculate_per_token_loss=ns.calculate_per_token_loss,
+            ),
+            loss=loss,
+            data=DataConfig.from_args(ns),
+            training=TrainingConfig(lr=ns.lr, weight_decay=ns.weight_decay, clip_grad=ns.clip_grad,
+                                    train_iters=ns.train_iters, seed=ns.seed,
+                                    skip_nonfinite_steps=ns.pg_skip_nonfinite_steps),
+            checkpoint=CheckpointConfig(save=ns.save, save_interval=ns.save_interval, load=ns.load),
+            logging=LoggingConfig(
+                metrics_file=ns.metrics_file or os.path.join(ns.save or DEFAULT_RUN_DIR, "metrics.jsonl"),
+                tensorboard_dir=ns.tensorboard_dir, log_interval=ns.log_interval,
+            ),
+        )
+
+    @property
+    def virtual_pipeline_size(self) -> Optional[int]:
+        """Virtual pipeline stages per rank (interleaved schedule); None without interleaving
+        (no ``--num-layers-per-virtual-pipeline-stage``, or one virtual stage per rank)."""
+        per_virtual = self.parallel.num_layers_per_virtual_pipeline_stage
+        if per_virtual is None:
+            return None
+        vpp = self.model.num_layers // self.parallel.pp // per_virtual
+        return vpp if vpp > 1 else None
+
+    def validate(self, world_size: int, *, backend: str, te: bool) -> None:
+        """Refuse every invalid combination before any process group or model is built: one
+        :class:`StartupError` listing every problem (:meth:`startup_problems`)."""
+        problems = self.startup_problems(world_size, backend=backend, te=te)
+        if problems:
+            raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+
+    def startup_problems(self, world_size: int, *, backend: str, te: bool) -> list:
+        """Every reason to refuse the run on ``world_size`` ranks of ``backend`` (``te``: Transformer
+        Engine usable); empty when it may start. Reads the file system for ``--load``/``--rollouts``."""
+        model, par = self.model, self.parallel
+        problems = []
+        release = release_problem(installed_megatron_core_version())
+        if release is not None:
+            problems.append(release)
+        tp, pp, cp = par.tp, par.pp, par.cp
+        for name, size in (("tensor", tp), ("pipeline", pp), ("context", cp)):
+            if size < 1:
+                problems.append(f"--{name}-model-parallel-size must be >= 1" if name != "context"
+                                else "--context-parallel-size must be >= 1")
+        if tp >= 1 and pp >= 1 and cp >= 1 and world_size % par.model_parallel_size:
+            problems.append(f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} "
+                            f"= {par.model_parallel_size}")
+        if pp >= 1 and model.num_layers % pp:
+            problems.append(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        per_virtual = par.num_layers_per_virtual_pipeline_stage
+        if per_virtual is not None:
+            per_stage = model.num_layers // max(pp, 1)
+            if pp < 2:
+                problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+            elif per_stage % per_virtual:
+                problems.append(f"{per_stage} layers per pipeline stage are not divisible by "
+                                f"--num-layers-per-virtual-pipeline-stage {per_virtual}")
+            elif backend == "gloo" and par.batch_p2p_comm:
+                problems.append("the interleaved pipeline with --batch-p2p-comm on gloo matches p2p messages out "
+                                "of order (wrong gradients): drop --batch-p2p-comm")
+        if not par.calculate_per_token_loss:
+            problems.append("calculate_per_token_loss off gives a mean of microbatch means, not the chosen objective")
+        if model.hidden_size % model.num_attention_heads or model.num_attention_heads % tp:
+            problems.append(f"--num-attention-heads {model.num_attention_heads} must divide --hidden-size "
+                            f"{model.hidden_size} and be divisible by TP={tp}")
+        if model.vocab_size % tp:
+            problems.append(f"--vocab-size {model.vocab_size} must be divisible by TP={tp}")
+        if not te and par.sequence_parallel and tp > 1:
+            problems.append("--sequence-parallel needs Transformer Engine's layer norm (the local spec's torch "
+                            "LayerNorm does not support it); run on a GPU with TE or drop the flag")
+        if not te and cp > 1:
+            problems.append("--context-parallel-size > 1 needs Transformer Engine's THD attention (GPU); on CPU "
+                            "the CP loss side is covered by the parity suite")
+        if model.bf16 and backend == "gloo":
+            problems.append("--bf16 needs CUDA: megatron-core's mixed-precision optimizer only wraps CUDA "
+                            "bf16 parameters (run fp32 on CPU)")
+        problems.extend(self._moe_problems(world_size, te=te))
+        ckpt = self.checkpoint
+        if ckpt.save_interval is not None and (ckpt.save_interval < 1 or not ckpt.save):
+            problems.append("--save-interval needs --save and a value >= 1")
+        if self.training.train_iters < 1:
+            problems.append("--train-iters must be >= 1")
+        if ckpt.load and not os.path.isdir(ckpt.load):
+            problems.append(f"--load {ckpt.load}: no such directory")
+        if self.data.rollouts and not os.path.isfile(self.data.rollouts):
+            problems.append(f"--rollouts {self.data.rollouts}: no such file")
+        return problems
+
+    def _moe_problems(self, world_size: int, *, te: bool) -> list:
+        moe, par = self.model.moe, self.parallel
+        tp, pp, ep, experts = par.tp, par.pp, par.ep, moe.num_experts
+        if experts is None:
+            given = [flag for flag, on in (("--expert-model-parallel-size", ep != 1),
+                                           ("--moe-aux-loss-coeff", moe.aux_loss_coeff != 0.0),
+                                           ("--moe-z-loss-coeff", moe.z_loss_coeff is not None)) if on]
+            return [f"{', '.join(given)} need(s) --num-experts"] if given else []
+        problems = []
+        if experts < 2:
+            problems.append(f"--num-experts {experts} must be >= 2")
+        if not 2 <= moe.router_topk <= max(experts, 2):
+            problems.append(f"--moe-router-topk {moe.router_topk} must be between 2 and --num-experts "
+                            f"{experts} (top-1 needs Megatron's pre-softmax routing, not offered here)")
+        if moe.aux_loss_coeff < 0 or (moe.z_loss_coeff is not None and moe.z_loss_coeff < 0):
+            problems.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+        if ep < 1 or experts % max(ep, 1):
+            problems.append(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-experts {experts}")
+        elif tp >= 1 and pp >= 1 and (world_size // max(pp, 1)) % (ep * tp):
+            problems.append(f"world size / PP = {world_size // max(pp, 1)} is not divisible by EP x TP = {ep} x {tp}")
+        if tp > 1 and not par.sequence_parallel:
+            problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core "
+                            "refuses MoE training under TP without it)" + ("" if te else "; on CPU that needs TE too"))
+        return problems
+

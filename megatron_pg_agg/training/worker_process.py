@@ -1,0 +1,146 @@
+"""Process-level settings of the project's torchrun workers (both entry points use them)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+
+def die_with_launcher() -> None:
+    """Ask Linux to SIGTERM this worker when its parent (the torchrun agent) dies. torchrun starts
+    workers in their own sessions, so a killed agent would otherwise leave them running (and
+    holding GPUs) forever."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def release_process_group() -> None:
+    """Destroy this worker's process group (and megatron's model-parallel state), if it made one.
+
+    The entry points call this on their handled stops (every rank reaches them together): a
+    process that exits with a live gloo group can abort in the group's destructor ("terminate
+    called without an active exception", SIGABRT), and the launcher then reports -6 instead of
+    the documented status. A bad flag that stops before torch is imported imports nothing here.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from megatron_pg_agg.megatron.parallel import shutdown_distributed
+
+        shutdown_distributed()
+
+
+def keep_freed_memory() -> None:
+    """Tell glibc malloc to keep freed large blocks instead of returning them to the OS.
+
+    Step planning allocates and frees many tensors of the step's size; by default glibc serves
+    each from fresh mmap pages, so the kernel zero-fills every page again (the page faults made
+    planning 8M tokens superlinear: 1.4 s instead of 0.75 s, benchmarks/bench_planner.py). The
+    same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, for this process only; an
+    application decision, so the launcher makes it, never the library.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 34)
+
+
+@dataclass(frozen=True)
+class KnownNoise:
+    """One start-up message of megatron-core (or torch) that says nothing a user of this project
+    can act on, silenced by its exact message, only on the releases where it was seen."""
+
+    message: str
+    """Regex, matched at the start of the message (``re.match``)."""
+    why: str
+    """Why it is harmless here."""
+    releases: Optional[str] = None
+    """megatron-core releases (specifier set) that emit it; None: all supported."""
+    category: Optional[type] = UserWarning
+    """A ``warnings.warn`` message of this category; None for a ``logging`` record."""
+    logger: Optional[str] = None
+    """The logger of a ``logging`` record."""
+    cpu_fallback: bool = False
+    """Only where Transformer Engine is not installed (the fallback it announces is then in use)."""
+
+
+KNOWN_NOISE: tuple[KnownNoise, ...] = (
+    KnownNoise(r"Transformer Engine and Apex are not installed\. Falling back to ",
+               "megatron-core's local kernels stand in (each module warns once per process)", cpu_fallback=True),
+    KnownNoise(r"Apex is not installed\. Falling back to Torch Norm", "torch norms stand in", cpu_fallback=True),
+    KnownNoise(r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version is 0\.0\.0",
+               "without TE the local expert implementation is used", releases=">=0.18", cpu_fallback=True),
+    KnownNoise(r"MimoModelConfig is experimental", "an import-time notice of a model class this project never "
+               "builds", releases=">=0.17"),
+    KnownNoise(r"absl\.logging is not installed", "megatron-core's grid falls back to the logging module",
+               releases=">=0.17"),
+    KnownNoise(r"Failed to create unified memory mempool", "inference's unified memory: CUDA only, never "
+               "used by training", releases="<0.16"),
+    KnownNoise(r"GPTModel IS DEPRECATED", "a notice on every GPTModel (what Megatron-LM's gpt_builder builds "
+               "too); it works unchanged", releases=">=0.19", category=None,
+               logger="megatron.core.models.gpt.gpt_model"),
+    KnownNoise(r"fused_indices_to_multihot has reached end of life", "an experimental MoE helper's notice at "
+               "import; the project never calls it", releases="<0.16", category=None, logger="megatron.core.utils"),
+    KnownNoise(r"No CUDA runtime is found, using CUDA_HOME", "a CUDA build of torch on a CPU machine (the "
+               "Python 3.12 route) when megatron-core imports torch's extension loader", category=None,
+               logger="torch.utils.cpp_extension", cpu_fallback=True),
+)
+"""Every start-up message the entry points silence (per release, by message; nothing else)."""
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, patterns: list) -> None:
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.match(message) for p in self.patterns)
+
+
+def active_noise(installed: Optional[str], te: bool) -> list:
+    """The entries of :data:`KNOWN_NOISE` for megatron-core ``installed`` (None: unknown, only
+    the release-independent ones) with or without Transformer Engine."""
+    from megatron_pg_agg.versions import in_range
+
+    return [n for n in KNOWN_NOISE if (not n.cpu_fallback or not te)
+            and (n.releases is None or (installed is not None and in_range(installed, n.releases)))]
+
+
+def quiet_startup_noise(prefix: str) -> None:
+    """Silence exactly :data:`KNOWN_NOISE` for the installed release (warnings by message and
+    category, log records by logger and message; every other message still shows) and say in
+    one line, on rank 0, which fallbacks are in use. Call before importing megatron.core."""
+    import importlib.util
+
+    from megatron_pg_agg.versions import distribution_version
+
+    te = importlib.util.find_spec("transformer_engine") is not None
+    installed = distribution_version()  # importing megatron.core would emit the warnings now
+    by_logger: dict = {}
+    for noise in active_noise(installed, te):
+        if noise.category is not None:
+            warnings.filterwarnings("ignore", message=noise.message, category=noise.category)
+        else:
+            by_logger.setdefault(noise.logger, []).append(noise.message)
+    for name, patterns in by_logger.items():
+        logging.getLogger(name).addFilter(_DropMessages(patterns))
+    if not te and os.environ.get("RANK", "0") == "0":
+        print(f"{prefix} no Transformer Engine or apex: megatron-core falls back to torch norms, torch "
+              "optimizers and local multi-tensor kernels (its warnings about them are silenced)",
+              file=sys.stderr, flush=True)

@@ -1,0 +1,145 @@
+"""The typed run config of launch/train_actor.py: flags map into the right fields, bad combinations
+are refused in one list with the documented messages, and every field of the tree is documented."""
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+import typing
+
+import pytest
+
+from megatron_pg_agg.training import run_config
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.training.run_config import (
+    DataConfig,
+    RunConfig,
+    StartupError,
+    build_parser,
+)
+
+
+def _cfg(*argv) -> RunConfig:
+    return RunConfig.from_args(build_parser().parse_args([str(a) for a in argv]))
+
+
+@pytest.fixture(autouse=True)
+def _supported_megatron_core(monkeypatch):
+    # these tests are about the flags, not the installed megatron-core
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.16.1")
+
+
+def test_defaults_resolve_as_the_flags_document():
+    cfg = _cfg()
+    assert cfg.model.ffn_hidden_size == 4 * cfg.model.hidden_size == 256
+    assert cfg.data == DataConfig(rollouts=None, max_tokens_per_microbatch=None, num_microbatches=2)
+    assert cfg.logging.metrics_file == os.path.join("runs", "train_actor", "metrics.jsonl")
+    assert cfg.parallel.calculate_per_token_loss and not cfg.model.moe.enabled
+    assert cfg.virtual_pipeline_size is None
+    assert cfg.loss == PGLossConfig()
+
+
+def test_flags_land_in_their_fields():
+    cfg = _cfg("--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--num-layers", 8,
+               "--num-layers-per-virtual-pipeline-stage", 2, "--context-parallel-size", 1,
+               "--ffn-hidden-size", 96, "--bf16", "--num-experts", 4, "--moe-router-topk", 3,
+               "--expert-model-parallel-size", 2, "--moe-token-dispatcher-type", "alltoall",
+               "--max-tokens-per-microbatch", 512, "--save", "ck", "--save-interval", 5, "--lr", 0.5,
+               "--pg-loss-aggregation", "constant", "--pg-loss-aggregation-divisor", 64,
+               "--pg-kl-coef", 0.1, "--pg-skip-nonfinite-steps", "--no-calculate-per-token-loss")
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.ep) == (2, 2, 1, 2)
+    assert cfg.parallel.model_parallel_size == 4 and cfg.parallel.dp_size(8) == 2
+    assert cfg.virtual_pipeline_size == 2  # 8 layers / PP 2 / 2 per virtual stage
+    assert cfg.model.ffn_hidden_size == 96 and cfg.model.bf16
+    assert (cfg.model.moe.num_experts, cfg.model.moe.router_topk, cfg.model.moe.token_dispatcher_type) == (
+        4, 3, "alltoall")
+    # a token cap sets no microbatch count
+    assert (cfg.data.max_tokens_per_microbatch, cfg.data.num_microbatches) == (512, None)
+    assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == ("ck", 5)
+    assert cfg.logging.metrics_file == os.path.join("ck", "metrics.jsonl")
+    assert cfg.training.lr == 0.5 and cfg.training.skip_nonfinite_steps
+    assert (cfg.loss.canonical_mode, cfg.loss.divisor, cfg.loss.kl_coef) == ("constant", 64.0, 0.1)
+    assert not cfg.parallel.calculate_per_token_loss
+
+
+def test_the_config_is_frozen():
+    cfg = _cfg()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.train_iters = 3
+
+
+def test_every_problem_is_listed_in_one_refusal(tmp_path):
+    cfg = _cfg("--train-iters", 0, "--save-interval", 2, "--tensor-model-parallel-size", 3,
+               "--load", tmp_path / "missing", "--no-calculate-per-token-loss")
+    with pytest.raises(StartupError) as err:
+        cfg.validate(4, backend="gloo", te=False)
+    message = str(err.value)
+    assert message.startswith("refusing to start:\n- ")
+    for expected in ("world size 4 is not divisible by TP x PP x CP = 3 x 1 x 1 = 3",
+                     "--num-attention-heads 4 must divide --hidden-size 64 and be divisible by TP=3",
+                     "calculate_per_token_loss off gives a mean of microbatch means",
+                     "--save-interval needs --save and a value >= 1",
+                     "--train-iters must be >= 1",
+                     f"--load {tmp_path / 'missing'}: no such directory"):
+        assert f"\n- {expected}" in message, message
+    assert cfg.startup_problems(4, backend="gloo", te=False) == message.split("\n- ")[1:]
+
+
+def test_device_dependent_refusals_follow_backend_and_te():
+    cfg = _cfg("--bf16", "--tensor-model-parallel-size", 2, "--sequence-parallel")
+    cpu = cfg.startup_problems(2, backend="gloo", te=False)
+    assert any(p.startswith("--bf16 needs CUDA") for p in cpu)
+    assert any(p.startswith("--sequence-parallel needs Transformer Engine") for p in cpu)
+    assert cfg.startup_problems(2, backend="nccl", te=True) == []
+
+
+def test_a_valid_run_passes():
+    _cfg("--num-microbatches", 3).validate(2, backend="gloo", te=False)
+
+
+def test_a_bad_loss_combination_is_refused_by_the_parser_and_by_from_args():
+    with pytest.raises(SystemExit) as err:  # argparse's usage error, status 2
+        build_parser().parse_args(["--pg-loss-aggregation", "constant"])
+    assert err.value.code == 2
+    namespace = build_parser().parse_args([])
+    namespace.pg_clip_eps = 2.0  # what the parser would have refused
+    with pytest.raises(StartupError, match=r"refusing to start:\n- clip_eps_low must be in \(0, 1\)"):
+        RunConfig.from_args(namespace)
+
+
+def test_megatron_lm_data_config_reads_its_own_flag():
+    import argparse
+
+    data = DataConfig.from_megatron_lm_args(argparse.Namespace(pg_rollouts="r.jsonl", seq_length=4096))
+    assert data == DataConfig(rollouts="r.jsonl")
+
+
+def _config_classes(root=RunConfig):
+    """Every dataclass in the tree under ``root`` (root included), each once."""
+    found, todo = [], [root]
+    while todo:
+        cls = todo.pop()
+        if cls in found:
+            continue
+        found.append(cls)
+        hints = typing.get_type_hints(cls)
+        todo.extend(hints[f.name] for f in dataclasses.fields(cls)
+                    if dataclasses.is_dataclass(hints[f.name]))
+    return found
+
+
+def test_every_field_of_the_tree_has_a_docstring():
+    classes = _config_classes()
+    assert {c.__name__ for c in classes} >= {"RunConfig", "ModelConfig", "MoEConfig", "ParallelConfig",
+                                             "PGLossConfig", "DataConfig", "TrainingConfig",
+                                             "CheckpointConfig", "LoggingConfig"}
+    for cls in classes:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        documented = {
+            stmt.target.id for stmt, after in zip(body, body[1:] + [None])
+            if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+            and after.value.value.strip()
+        }
+        missing = {f.name for f in dataclasses.fields(cls)} - documented
+        assert not missing, f"{cls.__name__}: fields without a docstring: {sorted(missing)}"
