@@ -35,6 +35,8 @@ setup(
     extras_require={
         # tensorboard: the Megatron-LM tests read the event files Megatron-LM's writer makes
         "test": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", *MEGATRON_LM],
+        # .ci/run's lint step (configuration in pyproject.toml)
+        "lint": ["ruff>=0.15,<0.18"],
         # launch/pretrain_actor.py: what Megatron-LM's training side (a user's checkout, not a
         # package) imports on the pretrain path, plus psutil for its torch_dist checkpoints. No
         # triton on CPU: the megatron_lm_cpu patch stands in for the one module that imports it.

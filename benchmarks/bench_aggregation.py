@@ -5,7 +5,7 @@
 
 Timing runs in one process, implementations interleaved, median of --reps. Peak memory is the
 extra resident-set high-water mark of one forward+backward over its inputs, measured in a fresh
-child process per (implementation, mode, T) with the kernel's mark reset first (Linux). Goals (issue #2): token form within 1.3x
+child process per (implementation, mode, T) with the kernel's mark reset first (Linux). Goals: token form within 1.3x
 of the bare masked sum; local form within 2x of it and >= 1.5x faster than the segment-sum
 baseline for seq_mean and prompt_mean; token_weights for a 1M-token step under 50 ms.
 """
@@ -17,11 +17,10 @@ import statistics
 import time
 
 import torch
+from _peak import extra_peak_bytes, in_child
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
 from megatron_pg_agg.core.modes import MODES
-
-from _peak import extra_peak_bytes, in_child
 
 DIVISOR = 2048.0
 GROUP = 8

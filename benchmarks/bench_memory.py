@@ -10,7 +10,7 @@
    megatron_pg_agg's ``pg_loss_sum`` (every mode, report included) against a bare PPO token-mean
    loss ``where(mask, pg, 0).sum() / count`` on the same inputs; extra peak resident memory
    measured in a fresh process per cell (benchmarks/_peak.py).
-Goal (issue 5): at most 8 extra bytes per token beyond the per-token tensors a PPO loss needs.
+Goal: at most 8 extra bytes per token beyond the per-token tensors a PPO loss needs.
 """
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ import argparse
 import json
 
 import torch
+from _peak import extra_peak_bytes, in_child
 
 from megatron_pg_agg.core.modes import MODES
-
-from _peak import extra_peak_bytes, in_child
 
 
 def _inputs(tokens: int, mode: str):
@@ -48,8 +47,7 @@ def _inputs(tokens: int, mode: str):
 
 
 def loss_peak(kind: str, mode: str, tokens: int) -> int:
-    from megatron_pg_agg.core.losses import PGLossConfig, pg_loss_sum, ppo_token_losses
-    from megatron_pg_agg.data.planner import StepTotals
+    from megatron_pg_agg.core.losses import LossPart, PGLossConfig, StepTotals, pg_loss_sum, ppo_token_losses
 
     x = _inputs(tokens, mode)
     cfg = PGLossConfig(mode=mode, divisor=2048.0 if mode == "constant" else None, report_entropy=False)
@@ -61,8 +59,9 @@ def loss_peak(kind: str, mode: str, tokens: int) -> int:
             pg, _, _ = ppo_token_losses(leaf, x["old"], x["adv"], cfg)
             loss = torch.where(x["den"], pg, 0.0).sum() / x["den"].sum()
         else:
-            loss, _, _ = pg_loss_sum(leaf, old_logprobs=x["old"], advantages=x["adv"], numerator_mask=x["den"],
-                                     denominator_mask=x["den"], weights=x["weights"], totals=totals, cfg=cfg)
+            part = LossPart(old_logprobs=x["old"], advantages=x["adv"], numerator_mask=x["den"],
+                            denominator_mask=x["den"], token_weights=x["weights"])
+            loss, _, _ = pg_loss_sum(leaf, part, totals, cfg)
         loss.backward()
 
     return extra_peak_bytes(run)

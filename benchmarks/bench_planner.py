@@ -6,7 +6,7 @@
 One step of N responses (4096 per 1M response tokens; lengths log-normal, median 180, clipped to
 32..4096; prompts 16..128 tokens) is planned into DP=8 ranks x 16 microbatches: validation,
 canonical group order, padding, ``token_weights`` for the whole step, bin assignment, the gather
-into packed microbatches. Goals (issue 5): under 100 ms for 1M tokens, time linear in tokens,
+into packed microbatches. Goals: under 100 ms for 1M tokens, time linear in tokens,
 token balance (max/mean) at most 1.05 across ranks and microbatches when no sequence exceeds a
 bin's share. Baseline: plain first-fit-decreasing into bins of capacity ceil(total / bins),
 overflow to the lightest bin.

@@ -4,13 +4,15 @@ loss on identical batches, and the collectives each one issues.
     python benchmarks/bench_step.py                       # 2 ranks (DP=2), timing, every mode
     python benchmarks/bench_step.py --tp 2 --count-only   # collectives per step, TP=2
 
-One step = zero grads, megatron-core's forward-backward schedule over the step's microbatches
-(packed THD, tiny GPT, gloo), finalize_model_grads, megatron-core's optimizer step. Baseline
+One step = the project's step runner (``megatron_pg_agg.megatron.step.run_pg_step``: zero grads,
+megatron-core's forward-backward schedule over the step's microbatches, packed THD, tiny GPT,
+gloo, finalize_model_grads, the step's report pairs reduced once), then megatron-core's optimizer
+step; the baseline runs through the same runner with its own forward step. Baseline
 loss_func: megatron-core's ``vocab_parallel_cross_entropy`` for the log-probs, the same PPO clipped
 surrogate, ``(masked sum, mask count)`` per microbatch (what Megatron-LM's GRPO loss returns).
 Ours: ``pg_loss_func`` in each mode (entropy report off, as the baseline computes none; one row
 with it on). Repetitions are interleaved across variants; the ratio is median(ours) /
-median(baseline). Goal (issue 5): at most 1.03 in every mode. Collectives are counted by
+median(baseline). Goal: at most 1.03 in every mode. Collectives are counted by
 wrapping torch.distributed's functions in the workers: nothing may be added per microbatch.
 """
 from __future__ import annotations
@@ -71,17 +73,20 @@ def worker(args) -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     from megatron_pg_agg.core.losses import PGLossConfig
-    from megatron_pg_agg.megatron.loss_func import packed_seq_params, pg_loss_func, run_schedule
     from megatron_pg_agg.core.modes import MODES
-    from megatron_pg_agg.megatron.model import build_model_chunks, default_ddp_config, wrap_in_ddp
-    from megatron_pg_agg.parity.models import tiny_transformer_config
-    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
     from megatron_pg_agg.data.planner import PlanConfig, plan_step
     from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from megatron_pg_agg.megatron.layout import ParallelSizes
+    from megatron_pg_agg.megatron.loss_func import packed_seq_params, pg_loss_func
+    from megatron_pg_agg.megatron.model import build_model_chunks, default_ddp_config, wrap_in_ddp
+    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
+    from megatron_pg_agg.megatron.step import StepGroups, run_pg_step
+    from megatron_pg_agg.parity.models import tiny_transformer_config
 
     init_distributed()
-    init_parallel(args.tp, 1)
+    init_parallel(ParallelSizes(tp=args.tp))
     vocab = 512
     config = tiny_transformer_config(num_layers=2, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                                      tensor_model_parallel_size=args.tp)
@@ -104,10 +109,11 @@ def worker(args) -> None:
                                                                    tp_size=args.tp))
              for name, cfg in variants.items()}
 
+    groups = StepGroups.from_parallel_state()
+
     def step(name):
         cfg = variants[name]
         plan = plans[name]
-        mbs = plan.for_rank(dp_rank)
 
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
@@ -117,10 +123,8 @@ def worker(args) -> None:
                 return out, partial(baseline_loss_func, mb, base_cfg)
             return out, partial(pg_loss_func, mb, cfg, plan.totals, tp_group)
 
-        for chunk in model:
-            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        run_schedule(model, mbs, forward_step)
+        run_pg_step(model, plan, cfg or base_cfg, groups, dp_rank=dp_rank, forward_step=forward_step)
         optimizer.step()
 
     for name in variants:  # warm-up
@@ -128,33 +132,43 @@ def worker(args) -> None:
     result = {"tp": args.tp, "dp": dp, "microbatches": args.microbatches,
               "tokens_per_rank": sum(mb.num_tokens for mb in plans["seq_mean"].for_rank(dp_rank))}
     if args.count_only:
-        counts = {}
-        for name in variants:
-            counter = Counter()
-            import torch.distributed as dist_module
-
-            saved = {n: getattr(dist_module, n) for n in COLLECTIVES if hasattr(dist_module, n)}
-            _count_collectives(counter)
-            try:
-                step(name)
-            finally:
-                for n, fn in saved.items():
-                    setattr(dist_module, n, fn)
-            counts[name] = dict(counter)
-        result["collectives"] = counts
+        result["collectives"] = {name: _collectives_of(step, name) for name in variants}
     else:
-        times = {name: [] for name in variants}
-        for _ in range(args.reps):
-            for name in variants:
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(name)
-                times[name].append(time.perf_counter() - t0)
-        result["median_ms"] = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+        result["median_ms"] = _median_ms(step, list(variants), args.reps)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+
+
+def _collectives_of(step, name: str) -> dict:
+    """``{collective: calls}`` of one step of variant ``name`` (torch.distributed's functions
+    wrapped for the step, then restored)."""
+    import torch.distributed as dist
+
+    counter = Counter()
+    saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+    _count_collectives(counter)
+    try:
+        step(name)
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+    return dict(counter)
+
+
+def _median_ms(step, names: list, reps: int) -> dict:
+    """Median step time per variant, repetitions interleaved across the variants."""
+    import torch.distributed as dist
+
+    times = {name: [] for name in names}
+    for _ in range(reps):
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
 
 def launch(tp: int, microbatches: int, reps: int, count_only: bool) -> dict:

@@ -45,9 +45,9 @@ def _packed_step(tokens: int, device, seed: int = 0):
 def check_no_sync(report: dict) -> None:
     from megatron_pg_agg import aggregate, token_weights, weighted_sum
     from megatron_pg_agg.core.losses import PGLossConfig
-    from megatron_pg_agg.megatron.loss_func import pg_loss_func
     from megatron_pg_agg.data.planner import PlanConfig, plan_step
     from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from megatron_pg_agg.megatron.loss_func import pg_loss_func
 
     loss, num, den, cu, groups = _packed_step(200_000, "cuda")
     rollouts = synthetic_rollouts(num_steps=1, vocab_size=128)[0]
@@ -157,12 +157,13 @@ def check_te_attention(report: dict) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_pg_agg.parity.models import tiny_transformer_config
+    from megatron_pg_agg.megatron.layout import ParallelSizes
     from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
     from megatron_pg_agg.megatron.thd_attention import ThdDotProductAttention
+    from megatron_pg_agg.parity.models import tiny_transformer_config
 
     init_distributed(backend="nccl")
-    init_parallel(1, 1)
+    init_parallel(ParallelSizes())
     config = tiny_transformer_config(hidden_size=256, num_attention_heads=4, use_cpu_initialization=False)
     lengths = [37, 128, 5, 90]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

@@ -4,7 +4,8 @@
         <Megatron-LM flags> --calculate-per-token-loss --pg-loss-aggregation MODE [--pg-rollouts FILE]
 
 ``--megatron-lm`` (or ``MEGATRON_LM_PATH``) names a Megatron-LM checkout, core_v0.15.x to
-core_v0.19.x, of the installed megatron-core's release. Exit status 2: refused at start-up (every problem listed). The pieces live in megatron_pg_agg.training.megatron_lm.
+core_v0.19.x, of the installed megatron-core's release. Exit status 2: refused at start-up (every
+problem listed). The pieces live in megatron_pg_agg.training.megatron_lm.
 """
 import sys
 

@@ -3,9 +3,9 @@
 The aggregation contract (formulas for every mode) is in :mod:`megatron_pg_agg.core.aggregation`.
 """
 from .core.aggregation import TokenWeights, aggregate, token_weights, weighted_sum
+from .core.losses import PGLossConfig
 from .core.modes import ALIASES, MODES, REFUSED_ALIASES, resolve_mode
 from .training.args import add_pg_agg_args, config_from_args
-from .core.losses import PGLossConfig
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,9 @@ Patches
     listed in its module docstring.
     ``megatron_lm_cpu`` (:mod:`.megatron_lm_cpu`), with the Megatron-LM checkout of the
     installed megatron-core's minor release (:mod:`._megatron_lm_release`): lets Megatron-LM's
-    own ``pretrain()`` run on CPU (device-'cuda' counters, streams, memory stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a
-    stand-in for the one triton-importing module). CPU-only.
+    own ``pretrain()`` run on CPU (device-'cuda' counters, streams, memory stats,
+    ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a stand-in for the one
+    triton-importing module). CPU-only.
     ``megatron_lm_log`` (:mod:`.megatron_lm_log`), same checkout check: wraps Megatron-LM's
     ``training_log`` to hand each iteration's reduced report to registered observers (its console
     drops values that are not > 0). Any device.

@@ -91,8 +91,9 @@ class _CudaOnCpu(_Proxy):
     ``rng``: the CUDA RNG calls map onto the CPU generator (on CPU it *is* the device generator).
     ``training``: the calls Megatron-LM's training side makes around its loop become CPU
     equivalents: ``set_device``/``empty_cache`` and streams are no-ops, memory statistics are
-    zero, the compute capability is 0.0, and ``device_count()`` is 1 (Megatron-LM initialises model parallelism and seeds the
-    RNG tracker only when it sees a device; the CPU is that device here).
+    zero, the compute capability is 0.0, and ``device_count()`` is 1 (Megatron-LM initialises
+    model parallelism and seeds the RNG tracker only when it sees a device; the CPU is that
+    device here).
     """
 
     def __init__(self, real: Any, rng: bool, training: bool = False) -> None:

@@ -17,11 +17,14 @@ signature (:data:`PRETRAIN_PARAMETERS`): a cross-check that the right code is on
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import re
 from dataclasses import dataclass
 from typing import Optional
+
+from packaging.version import Version
 
 from ..versions import installed_megatron_core_version, release_problem
 
@@ -133,7 +136,6 @@ def check_release(release: CheckoutRelease) -> None:
     problem = release_problem(f"{release.minor[0]}.{release.minor[1]}.0", shown)
     if problem is not None:
         raise UnsupportedMegatronLM(f"{problem}. Supported tags: {SUPPORTED_TAGS}.")
-    from packaging.version import Version
 
     core = Version(installed)
     if (core.major, core.minor) != release.minor:
@@ -148,8 +150,6 @@ def loaded_checkout_root() -> str:
     """The root of the Megatron-LM checkout that ``megatron.training`` would be imported from,
     found without importing it: a training side of another release may fail to import against
     the installed megatron-core, and the refusal must name the versions, not that error."""
-    import importlib.util
-
     spec = importlib.util.find_spec("megatron.training")
     if spec is None or not spec.submodule_search_locations:
         raise UnsupportedMegatronLM(
@@ -164,7 +164,8 @@ def check_checkout() -> CheckoutRelease:
     release = checkout_release(loaded_checkout_root())
     check_release(release)
     try:
-        from megatron.training import training
+        # the checkout's own module, importable only once the checkout is on sys.path
+        from megatron.training import training  # noqa: PLC0415
     except ImportError as exc:
         raise UnsupportedMegatronLM(
             f"megatron.training of {release.root} ({release.tag}) cannot be imported ({exc}); install its "

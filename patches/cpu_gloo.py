@@ -8,9 +8,8 @@ WHY
     ``device="cuda"``; the default causal mask is built on ``"cuda"``; the RNG tracker reads and
     writes the CUDA generator; and with PP > 1 and tied embeddings
     ``LanguageModule.setup_embeddings_and_output_layer`` calls ``Tensor.cuda()``. This shim makes
-    those spots use the CPU so the real schedules and models can be tested with gloo on CPU
-    (see /work/shared/notes/megatron-core-facts.md). It is CPU-only: it refuses to apply when
-    ``torch.cuda.is_available()``.
+    those spots use the CPU so the real schedules and models can be tested with gloo on CPU. It
+    is CPU-only: it refuses to apply when ``torch.cuda.is_available()``.
 
 HOW (wrappers only, never a copy of an upstream function)
     * ``torch`` in the namespace of each module in :data:`TORCH_PROXY_MODULES` is replaced by a
@@ -88,8 +87,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from ..versions import SUPPORTED_MEGATRON_CORE
+from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from ._machinery import Patch, Target
 
 NAME = "cpu_gloo"
@@ -162,7 +161,7 @@ def _make_interleaved_guard(original):
     """
 
     def forward_backward_pipelining_with_interleaving(*args, **kwargs):
-        from megatron.core.utils import get_model_config
+        from megatron.core.utils import get_model_config  # noqa: PLC0415  (patched modules load lazily)
 
         model = kwargs.get("model")
         first = model[0] if isinstance(model, (list, tuple)) else model

@@ -9,8 +9,7 @@ WHY
     with ``Module.cuda()``, and initialisation asserts CUDA and initialises model parallelism only
     when ``torch.cuda.device_count() > 0``. One module it imports,
     ``megatron.core.transformer.custom_layers.batch_invariant_kernels``, imports triton (a
-    ~286 MB GPU compiler) at its top only to offer a GPU mode. Every fact is in
-    ``shared/notes/megatron-lm-facts.md``. With this patch and :mod:`.cpu_gloo`, Megatron-LM's
+    ~286 MB GPU compiler) at its top only to offer a GPU mode. With this patch and :mod:`.cpu_gloo`, Megatron-LM's
     own ``pretrain()`` trains on CPU with gloo, so the Megatron-LM integration is tested for real
     in CI. It is CPU-only: it refuses to apply when ``torch.cuda.is_available()``.
 
@@ -42,8 +41,8 @@ import types
 
 import torch
 
-from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from ..versions import SUPPORTED_MEGATRON_CORE
+from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from ._machinery import Patch, StandIn, Target
 from ._megatron_lm_release import check_checkout
 
@@ -109,7 +108,7 @@ def _make_noop(original):
 def _make_compile_helpers(original):
     def compile_helpers():
         with contextlib.suppress(ImportError):
-            from megatron.core.datasets import helpers_cpp  # noqa: F401  (built and importable)
+            from megatron.core.datasets import helpers_cpp  # noqa: F401, PLC0415  (built and importable)
 
             return None
         return original()

@@ -12,7 +12,7 @@ WHY
     project the count is the policy-gradient weight ``W`` (valid tokens, active sequences or
     active groups), so the load-balancing gradient comes out scaled by about
     ``N_routed / (W * tp_sp * cp)``: measured 1.35x to thousands of times Megatron's default, and
-    non-zero on a ``W = 0`` step whose gradients must be zero (README, MoE section).
+    non-zero on a ``W = 0`` step whose gradients must be zero (docs/moe.md).
 
 WHAT (the reference semantics)
     The aux and z losses belong to the router and the tokens it routes, not to the policy-gradient

@@ -44,9 +44,9 @@ from typing import Optional
 
 import torch
 
-from .token_layout import GroupSizes, TokenLayout, build_layout, check_loss, should_validate, _as_bool_mask
 from .modes import CONSTANT, PROMPT_MEAN, TOKEN_MEAN, resolve_mode
 from .segments import exclusive_cumsum, segment_ids
+from .token_layout import GroupSizes, TokenLayout, _as_bool_mask, build_layout, check_loss, should_validate
 
 __all__ = ["TokenWeights", "aggregate", "token_weights", "weighted_sum"]
 

@@ -36,17 +36,14 @@ removes tokens from the numerator; it never touches the KL and entropy terms.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import torch
 
 from .aggregation import TokenWeights, weighted_sum
 from .modes import TOKEN_MEAN, resolve_mode
 from .segments import segment_of
-
-if TYPE_CHECKING:  # the planner creates the step totals; the loss only reads them
-    from megatron_pg_agg.data.planner import StepTotals
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -58,8 +55,46 @@ ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "seq
 REPORT_KEYS = ("objective", "pg_loss", "clip_fraction", "ratio", "kl", "entropy")
 """The ``[sum, count]`` pairs :func:`pg_loss_sum` reports (``kl`` and ``entropy`` when computed)."""
 CORRECTION_REPORT_KEYS = ("correction_masked", "correction_truncated", "correction_weight")
-"""Pairs reported with a rollout correction: tokens masked / truncated over valid tokens, and the
-mean PG weight over numerator tokens (host sums from the planner, per microbatch)."""
+"""Pairs recorded with a rollout correction: tokens masked / truncated over valid tokens, and the
+mean PG weight over numerator tokens (host sums of the whole step, from the planner's plan)."""
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Global integers of one optimizer step, known on the host before it (the planner sees the
+    whole step on every rank, so no collective is needed to know them)."""
+
+    pg_weight: int
+    """W_pg = sum of k_t over the step: valid tokens, active sequences or active groups."""
+    valid_tokens: int
+    """D = sum of d_t over the step: the normaliser of the KL and entropy token means."""
+
+    @property
+    def extra_scale(self) -> float:
+        """W_pg / D: turns the extra terms' token mean into Megatron's single-count contract."""
+        return self.pg_weight / self.valid_tokens if self.valid_tokens else 0.0
+
+
+def correction_values(stats: Optional[dict]) -> dict:
+    """``{key: sum / count or None}`` of a plan's ``correction_stats`` (empty without a
+    correction), for the keys of ``CORRECTION_REPORT_KEYS``: both entries record them per step."""
+    if stats is None:
+        return {}
+    return {name: stats[name][0] / stats[name][1] if stats[name][1] else None for name in CORRECTION_REPORT_KEYS}
+
+
+def report_values(pairs: dict, pg_weight: int) -> dict:
+    """``{key: sum / count or None}`` of reduced ``{key: [sum, count]}`` pairs (None for a missing
+    key or a zero count: a term not computed), for every key of ``REPORT_KEYS``; a ``W = 0``
+    step's objective is 0 by the contract (its pair is 0 / 0). Both entries' records go through
+    here."""
+    out = {}
+    for name in REPORT_KEYS:
+        total, count = pairs.get(name, (0.0, 0.0))
+        out[name] = total / count if count else None
+    if out["objective"] is None and pg_weight == 0:
+        out["objective"] = 0.0
+    return out
 
 
 @dataclass(frozen=True)
@@ -67,7 +102,8 @@ class PGLossConfig:
     """What the actor optimises. Validated on construction (host side, before any step)."""
 
     mode: str = TOKEN_MEAN
-    """Aggregation mode (canonical name or a peer alias): token_mean, seq_mean, prompt_mean, constant."""
+    """Aggregation mode: token_mean, seq_mean, prompt_mean or constant. A peer alias is accepted
+    and resolved on construction: afterwards this holds the canonical mode."""
     divisor: Optional[float] = None
     """L of the constant mode (e.g. the maximum response length); refused by other modes."""
     clip_eps_low: float = 0.2
@@ -95,12 +131,11 @@ class PGLossConfig:
     """C: truncation cap of the importance weight, and upper bound of the masks."""
     rollout_correction_min: float = 0.0
     """c: lower bound of the masks (tokens or sequences with weight below it leave the numerator)."""
-    canonical_mode: str = field(init=False, default=TOKEN_MEAN)
-    """The resolved canonical mode (set from ``mode``)."""
-
     def __post_init__(self):
+        # resolved once, here: afterwards ``mode`` is the canonical mode (a peer alias given is
+        # replaced by it) and ``divisor`` the divisor it implies
         mode, divisor = resolve_mode(self.mode, self.divisor)
-        object.__setattr__(self, "canonical_mode", mode)
+        object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "divisor", divisor)
         if self.clip_eps_high is None:
             object.__setattr__(self, "clip_eps_high", self.clip_eps_low)
@@ -299,38 +334,66 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str):
     return torch.exp(-log_ratio) + log_ratio - 1.0
 
 
+class LossInputs(Protocol):
+    """The per-token tensors of one part of a step (``[T]`` each) that :func:`pg_loss_sum` reads;
+    a planner :class:`~megatron_pg_agg.data.planner.Microbatch` is one."""
+
+    old_logprobs: torch.Tensor
+    """float32: behaviour-policy log-probs."""
+    advantages: torch.Tensor
+    """float32."""
+    numerator_mask: torch.Tensor
+    """bool: n_t."""
+    denominator_mask: torch.Tensor
+    """bool: d_t."""
+    token_weights: TokenWeights
+    """The aggregation weights (c_t, k_t) of these tokens, from the step's ``token_weights``."""
+    ref_logprobs: Optional[torch.Tensor]
+    """float32 reference log-probs, or None (no KL term)."""
+    correction_weights: Optional[torch.Tensor]
+    """float32 rollout-correction weights multiplying pg_t only, or None (weight 1)."""
+
+
+@dataclass(frozen=True)
+class LossPart:
+    """A :class:`LossInputs` built by hand: the tensors of one part of a step where no planner
+    :class:`~megatron_pg_agg.data.planner.Microbatch` exists (a custom data path, a benchmark)."""
+
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    numerator_mask: torch.Tensor
+    denominator_mask: torch.Tensor
+    token_weights: TokenWeights
+    ref_logprobs: Optional[torch.Tensor] = None
+    correction_weights: Optional[torch.Tensor] = None
+
+
 def pg_loss_sum(
     logprobs: torch.Tensor,
-    *,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    numerator_mask: torch.Tensor,
-    denominator_mask: torch.Tensor,
-    weights: TokenWeights,
-    totals: "StepTotals",
+    part: LossInputs,
+    totals: StepTotals,
     cfg: PGLossConfig,
-    ref_logprobs: Optional[torch.Tensor] = None,
+    *,
     entropy: Optional[torch.Tensor] = None,
     sequences: Optional[SequenceStatistic] = None,
-    pg_weights: Optional[torch.Tensor] = None,
-    extra_report: Optional[dict] = None,
 ):
     """One part's ``(loss_sum, count, report)`` in Megatron-core's per-token-loss contract.
 
-    ``sequences`` (gspo/gmpo): the part's :class:`SequenceStatistic`. ``pg_weights``: per-token
-    rollout-correction weights multiplying ``pg_t`` only (None = 1). ``extra_report``: more
-    ``[sum, count]`` pairs (the planner's correction counts) merged into the report.
+    ``logprobs``: the current policy's log-probs of ``part``'s tokens; ``entropy``: their entropy
+    (None: not computed); ``sequences`` (gspo/gmpo): the part's :class:`SequenceStatistic`.
 
     ``report`` maps names to detached float32 ``[sum, count]`` pairs that Megatron-LM's logger
     sums over microbatches and DP x CP ranks and divides: ``objective`` (the full J),
     ``pg_loss`` (J_pg), ``clip_fraction`` and ``ratio`` (over numerator tokens), ``kl`` and
     ``entropy`` (over denominator tokens) when computed.
     """
-    pg, ratio, was_clipped = policy_token_losses(logprobs, old_logprobs, advantages, numerator_mask, cfg,
-                                                 sequences)
-    if pg_weights is not None:
-        pg = pg * pg_weights
-    pg_sum, count = weighted_sum(pg, numerator_mask, weights, validate=False)
+    numerator_mask, denominator_mask = part.numerator_mask, part.denominator_mask
+    ref_logprobs = part.ref_logprobs
+    pg, ratio, was_clipped = policy_token_losses(logprobs, part.old_logprobs, part.advantages, numerator_mask,
+                                                 cfg, sequences)
+    if part.correction_weights is not None:
+        pg = pg * part.correction_weights
+    pg_sum, count = weighted_sum(pg, numerator_mask, part.token_weights, validate=False)
     loss_sum = pg_sum
     # counts straight from the bool masks: no float copies of per-token tensors
     num_tokens = numerator_mask.sum(dtype=torch.float32)
@@ -357,6 +420,4 @@ def pg_loss_sum(
             loss_sum = loss_sum - (cfg.entropy_coef * scale) * ent
         report["entropy"] = torch.stack([ent.detach(), den_tokens])
     report["objective"] = torch.stack([loss_sum.detach().clone(), count_f])
-    if extra_report:
-        report.update(extra_report)
     return loss_sum, count, report

@@ -37,7 +37,7 @@ class Alias:
     """Which framework uses the name."""
     note: str = ""
     """Where the peer's semantics differ from ours (empty when they match exactly). It is the
-    README table's "differences" cell, word for word (``tests/unit/core/test_modes.py`` checks it)."""
+    docs/peer-aliases.md table's "differences" cell, word for word (``tests/unit/core/test_modes.py`` checks it)."""
     policy_loss: Optional[str] = None
     """The ``--pg-policy-loss`` to pair with, where the peer's name also fixes the token loss."""
     divisor_hint: str = ""
@@ -56,7 +56,7 @@ class RefusedAlias:
 
     @property
     def note(self) -> str:
-        """The README table's "differences" cell."""
+        """The docs/peer-aliases.md table's "differences" cell."""
         return f"{self.why}. Closest explicit choice: {self.closest}"
 
     def error(self, name: str) -> ValueError:
@@ -66,7 +66,7 @@ class RefusedAlias:
         )
 
 
-# What the peers do (read from their source; README "Peers' names" lists the files):
+# What the peers do (read from their source; docs/peer-aliases.md lists the files):
 # - verl agg_loss: token-mean = sum / batch_num_tokens (mini-batch, all DP ranks); seq-mean-* divide
 #   the sum over non-empty rows by global_batch_size = ppo_mini_batch_size * rollout.n, i.e. by
 #   EVERY row of the mini-batch; seq-mean-token-sum-norm further divides by loss_scale_factor
@@ -94,7 +94,7 @@ _GENERATION_BATCH = (
     "the whole generation batch's tokens"
 )
 
-#: Peers' names. The README's alias table is written from this dict and REFUSED_ALIASES.
+#: Peers' names. The alias table of docs/peer-aliases.md is written from this dict and REFUSED_ALIASES.
 ALIASES: dict[str, Alias] = {
     # verl (actor.loss_agg_mode)
     "token-mean": Alias(TOKEN_MEAN, source="verl"),

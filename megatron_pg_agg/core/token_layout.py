@@ -14,6 +14,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .modes import PROMPT_MEAN, TOKEN_MEAN
+
 GroupSizes = Union[Sequence[int], torch.Tensor, None]
 
 
@@ -147,7 +149,6 @@ def build_layout(
     loss: Optional[torch.Tensor] = None,
 ) -> TokenLayout:
     """Check every argument (see the module docstring for which checks run where)."""
-    from .modes import PROMPT_MEAN, TOKEN_MEAN
 
     do_values = should_validate(validate, loss_mask, denominator_mask, cu_seqlens, group_sizes)
     n = _as_bool_mask(loss_mask, "loss_mask", do_values)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Callable, IO
+from typing import IO, Callable
 
 __all__ = ["atomic_write"]
 

@@ -30,16 +30,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
 
 from megatron_pg_agg.core.aggregation import TokenWeights, token_weights
 from megatron_pg_agg.core.context_parallel import cp_partition_index
-from megatron_pg_agg.core.modes import resolve_mode
-from .rollouts import PlanError, RolloutBatch
+from megatron_pg_agg.core.losses import PGLossConfig, StepTotals
 from megatron_pg_agg.core.segments import exclusive_cumsum, running_sums, segment_ids, segment_of
+
+from .rollouts import PlanError, RolloutBatch
 
 
 @dataclass
@@ -54,15 +55,14 @@ class Microbatch:
     advantages: torch.Tensor  # float32 [T]
     old_logprobs: torch.Tensor  # float32 [T]
     ref_logprobs: Optional[torch.Tensor]  # float32 [T] or None
-    weights: TokenWeights  # [T], sliced from the step's weights
+    token_weights: TokenWeights  # [T]: the aggregation weights (c_t, k_t), sliced from the step's
     cu_seqlens: torch.Tensor  # int32 [S+1]: real sequence lengths
     cu_seqlens_padded: torch.Tensor  # int32 [S+1]: padded lengths (token offsets in this batch)
     max_seqlen: int
     sequence_ids: list  # canonical indices of the sequences packed here
     cu_seqlens_local: Optional[torch.Tensor] = None  # int32 [S+1]: this CP rank's share of each sequence
     seq_numerator_tokens: Optional[torch.Tensor] = None  # float32 [S]: N_i over all CP ranks
-    pg_weights: Optional[torch.Tensor] = None  # float32 [T]: rollout-correction weight of pg_t
-    correction_report: Optional[dict] = None  # name -> float32 [sum, count] (host sums)
+    correction_weights: Optional[torch.Tensor] = None  # float32 [T]: rollout-correction weight of pg_t
 
     @property
     def num_tokens(self) -> int:
@@ -91,22 +91,6 @@ class Microbatch:
         return self._map(lambda t: t.pin_memory())
 
 
-@dataclass(frozen=True)
-class StepTotals:
-    """Global integers of one optimizer step, known on the host before it (the planner sees the
-    whole step on every rank, so no collective is needed to know them)."""
-
-    pg_weight: int
-    """W_pg = sum of k_t over the step: valid tokens, active sequences or active groups."""
-    valid_tokens: int
-    """D = sum of d_t over the step: the normaliser of the KL and entropy token means."""
-
-    @property
-    def extra_scale(self) -> float:
-        """W_pg / D: turns the extra terms' token mean into Megatron's single-count contract."""
-        return self.pg_weight / self.valid_tokens if self.valid_tokens else 0.0
-
-
 @dataclass
 class StepPlan:
     """Every DP rank's microbatches for one step, and the step's global numbers."""
@@ -116,6 +100,10 @@ class StepPlan:
     group_sizes: list
     bin_tokens: list  # [dp_rank][microbatch] -> padded tokens (before any CP split)
     stats: dict = field(default_factory=dict)
+    correction_stats: Optional[dict] = None
+    """With a rollout correction: the step's ``{name: (sum, count)}`` host sums over every token of
+    the step, for the keys of :data:`~megatron_pg_agg.core.losses.CORRECTION_REPORT_KEYS` (tokens
+    masked and truncated over valid tokens, the mean weight over numerator tokens); None without."""
 
     def for_rank(self, dp_rank: int) -> list:
         return self.microbatches[dp_rank]
@@ -208,7 +196,7 @@ def _canonical_order(group_index: torch.Tensor):
 
 def plan_step(
     rollouts,
-    loss_cfg,
+    loss_cfg: PGLossConfig,
     plan_cfg: PlanConfig,
     *,
     cp_rank: int = 0,
@@ -225,26 +213,31 @@ def plan_step(
     weights = step_weights(batch, order, loss_cfg)
     bins = pack_bins(order, plan_cfg)
     layout = token_layout(batch, order, weights, bins, correction, plan_cfg, cp_rank)
-    return assemble_microbatches(batch, order, weights, bins, layout, plan_cfg)
+    plan = assemble_microbatches(batch, order, weights, bins, layout, plan_cfg)
+    if correction is not None:
+        plan.correction_stats = correction_stats(batch, correction)
+    return plan
 
 
 # ----------------------------------------------------------------------------- the phases
 
 
-def checked_batch(rollouts, loss_cfg, plan_cfg: PlanConfig):
-    """1. The step as a checked :class:`RolloutBatch` (host data: checks are free here), with the
-    rollout correction applied to its numerator; returns ``(batch, correction or None)``."""
+def checked_batch(rollouts, loss_cfg: PGLossConfig, plan_cfg: PlanConfig):
+    """1. The step as a checked :class:`RolloutBatch`, with the rollout correction applied to its
+    numerator; returns ``(batch, correction or None)``. A RolloutBatch checked itself when it was
+    built (``RolloutBatch.__post_init__``) and is trusted here: only a list of Rollout is packed
+    and checked. Token ids are checked against ``plan_cfg.vocab_size`` when it is set."""
     if isinstance(rollouts, RolloutBatch):
-        batch = rollouts
-        batch.validate(vocab_size=plan_cfg.vocab_size)
+        batch = rollouts  # valid by construction: re-checking it every plan would cost O(tokens)
+        if plan_cfg.vocab_size is not None:
+            batch.check_vocabulary(plan_cfg.vocab_size)
     else:
-        if not rollouts:
-            raise PlanError("the step has no rollouts")
         batch = RolloutBatch.from_rollouts(rollouts, vocab_size=plan_cfg.vocab_size)
     require_inputs(batch, loss_cfg)
     correction = rollout_correction(batch, loss_cfg)
     if correction is not None:  # masked tokens leave the numerator (they keep the denominator)
-        batch = replace(batch, numerator_mask=correction.numerator_mask)
+        # a narrowed numerator keeps the batch valid: no constructor (and no re-check) per plan
+        batch = batch.with_numerator_mask(correction.numerator_mask)
     return batch, correction
 
 
@@ -281,18 +274,18 @@ class StepWeights:
     """Phase 3's result: the step's token weights on the response tokens (canonical order)."""
 
     weights: TokenWeights
-    totals: "StepTotals"
+    totals: StepTotals
     rc_of_rollout: torch.Tensor
     """int64 ``[N]``: canonical response offset of each rollout (original order)."""
     r_total: int
     """Response tokens of the step."""
 
 
-def step_weights(batch: RolloutBatch, order: CanonicalOrder, loss_cfg) -> StepWeights:
+def step_weights(batch: RolloutBatch, order: CanonicalOrder, loss_cfg: PGLossConfig) -> StepWeights:
     """3. ``token_weights`` ONCE for the whole step, before any split. They depend only on the
     masks of the response tokens, so they are computed on those alone (canonical order), not on
     the padded layout; every microbatch, rank and CP shard then gathers its tokens' weights."""
-    mode, divisor = resolve_mode(loss_cfg.mode, loss_cfg.divisor)
+    mode, divisor = loss_cfg.mode, loss_cfg.divisor  # resolved where the config was built
     rc_start = exclusive_cumsum(batch.response_lengths[order.order])
     r_total = int(rc_start[-1])
     canon = (order.r_start[order.order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
@@ -417,12 +410,56 @@ def token_layout(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, 
         "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
     }
     if correction is not None:
-        fields["pg_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
-        fields["corr_masked"] = with_sentinel(correction.masked)[scored_index]
-        fields["corr_truncated"] = with_sentinel(correction.truncated)[scored_index]
+        fields["correction_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
     weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
                            with_sentinel(step.weights.count)[c_index], step.weights.mode)
     return TokenLayout(fields, weights, seq_padded, total)
+
+
+@dataclass(frozen=True)
+class _HostLists:
+    """Per packed sequence (bin order), as host lists: what every microbatch takes a run of."""
+
+    padded: list
+    """Padded length of each sequence."""
+    real: list
+    """Prompt + response length of each sequence."""
+    numerator_tokens: list
+    """N_i: numerator tokens of each sequence (over all CP ranks)."""
+    rollout: list
+    """Index of each sequence's rollout in the step (original order)."""
+
+
+def _microbatch(layout: TokenLayout, hosts: _HostLists, here: slice, part: slice, extra: int, cp: int) -> Microbatch:
+    """One bin as a Microbatch: the token slice ``part`` of every per-token tensor (this CP rank's
+    share), the sequences ``here`` of the host lists, ``extra`` padding tokens appended to the last
+    sequence (they score nothing)."""
+    cut = {k: (None if v is None else v[part]) for k, v in layout.fields.items()}
+    w = layout.weights[part]
+    seq_pad = hosts.padded[here]
+    if extra:
+        seq_pad[-1] += extra
+        cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
+        w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(extra), w.count.new_zeros(extra), w.mode)])
+    cu_padded = torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32)
+    return Microbatch(
+        tokens=cut["tokens"].unsqueeze(0),
+        labels=cut["labels"].unsqueeze(0),
+        position_ids=cut["position_ids"].unsqueeze(0),
+        numerator_mask=cut["numerator_mask"],
+        denominator_mask=cut["denominator_mask"],
+        advantages=cut["advantages"],
+        old_logprobs=cut["old_logprobs"],
+        ref_logprobs=cut["ref_logprobs"],
+        token_weights=w,
+        cu_seqlens=torch.tensor([0, *running_sums(hosts.real[here])], dtype=torch.int32),
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=max(seq_pad),
+        sequence_ids=hosts.rollout[here],
+        cu_seqlens_local=cu_padded // cp,
+        seq_numerator_tokens=torch.tensor(hosts.numerator_tokens[here], dtype=torch.float32),
+        correction_weights=cut.get("correction_weights"),
+    )
 
 
 def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, bins: Bins,
@@ -432,12 +469,10 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
     dp, cp, num_mb = plan_cfg.dp_size, plan_cfg.cp_size, bins.num_microbatches
     rollout_of = bins.rollout_of
     seq_pad_all = layout.seq_padded.tolist()
-    seq_real_all = order.length[rollout_of].tolist()
     numerator_per_rollout = torch.zeros(len(batch), dtype=torch.float32).index_add_(
         0, segment_ids(order.r_start, step.r_total),
         (batch.loss_mask if batch.numerator_mask is None else batch.numerator_mask).float())
     seq_num_all = numerator_per_rollout[rollout_of].tolist()
-    originals_all = rollout_of.tolist()
     members_of = bins.members
     bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
                  for first, members in zip(running_sums([0] + [len(m) for m in members_of])[:-1], members_of)]
@@ -452,7 +487,7 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
         uniform = plan_cfg.microbatch_tokens
     else:
         uniform = max(bin_sizes) if plan_cfg.uniform_microbatch_tokens else None
-    correction = "pg_weights" in layout.fields
+    hosts = _HostLists(seq_pad_all, order.length[rollout_of].tolist(), seq_num_all, rollout_of.tolist())
     microbatches = [[None] * num_mb for _ in range(dp)]
     bin_tokens = [[0] * num_mb for _ in range(dp)]
     start, first = 0, 0
@@ -460,44 +495,15 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
         rank, mb = b % dp, b // dp
         here = slice(first, first + len(members))
         first += len(members)
-        seq_pad = seq_pad_all[here]
         size = bin_sizes[b]
-        part = slice(start // cp, (start + size) // cp)
-        start += size
         bin_tokens[rank][mb] = size
         extra = uniform - size if uniform is not None else 0
         if extra and cp > 1:
             raise PlanError("padding microbatches to one length with cp_size > 1 is not supported: the extra "
                             "padding would not follow the CP chunk layout")
-        cut = {k: (None if v is None else v[part]) for k, v in layout.fields.items()}
-        report = _correction_report(cut) if correction else None
-        for k in ("corr_masked", "corr_truncated"):
-            cut.pop(k, None)
-        w = layout.weights[part]
-        if extra:  # the last sequence's padding grows; the extra positions score nothing
-            seq_pad[-1] += extra
-            cut = {k: (None if v is None else torch.cat([v, v.new_zeros(extra)])) for k, v in cut.items()}
-            w = TokenWeights.cat([w, TokenWeights(w.coef.new_zeros(extra), w.count.new_zeros(extra), w.mode)])
-        cu_padded = torch.tensor([0, *running_sums(seq_pad)], dtype=torch.int32)
-        microbatches[rank][mb] = Microbatch(
-            tokens=cut["tokens"].unsqueeze(0),
-            labels=cut["labels"].unsqueeze(0),
-            position_ids=cut["position_ids"].unsqueeze(0),
-            numerator_mask=cut["numerator_mask"],
-            denominator_mask=cut["denominator_mask"],
-            advantages=cut["advantages"],
-            old_logprobs=cut["old_logprobs"],
-            ref_logprobs=cut["ref_logprobs"],
-            weights=w,
-            cu_seqlens=torch.tensor([0, *running_sums(seq_real_all[here])], dtype=torch.int32),
-            cu_seqlens_padded=cu_padded,
-            max_seqlen=max(seq_pad),
-            sequence_ids=originals_all[here],
-            cu_seqlens_local=cu_padded // cp,
-            seq_numerator_tokens=torch.tensor(seq_num_all[here], dtype=torch.float32),
-            pg_weights=cut.get("pg_weights"),
-            correction_report=report,
-        )
+        microbatches[rank][mb] = _microbatch(layout, hosts, here, slice(start // cp, (start + size) // cp),
+                                             extra, cp)
+        start += size
     flat = [t for row in bin_tokens for t in row]
     per_rank = [sum(row) for row in bin_tokens]
     stats = {
@@ -514,26 +520,26 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
     return StepPlan(microbatches, step.totals, order.group_sizes, bin_tokens, stats)
 
 
-def require_inputs(batch: RolloutBatch, loss_cfg) -> None:
+def require_inputs(batch: RolloutBatch, loss_cfg: PGLossConfig) -> None:
     """The per-token inputs the loss config needs are in the data (a PlanError names the flag)."""
     if loss_cfg.needs_reference and batch.ref_logprobs is None:
         raise PlanError("ref_logprobs is missing (on at least one rollout) but kl_coef > 0 needs it")
-    if getattr(loss_cfg, "rollout_correction", None) and batch.rollout_logprobs is None:
+    if loss_cfg.rollout_correction and batch.rollout_logprobs is None:
         raise PlanError(f"rollout_logprobs is missing (on at least one rollout) but the rollout correction "
                         f"{loss_cfg.rollout_correction!r} needs it: add the rollout engine's log-probs to "
                         "the rollouts, or drop --pg-rollout-correction")
 
 
-def policy_loss_notes(batches: dict, loss_cfg) -> list:
+def policy_loss_notes(batches: dict, loss_cfg: PGLossConfig) -> list:
     """What a user should read once at start-up about the policy loss on these rollout steps
     (``{step: RolloutBatch}``): GSPO is the paper's objective only under seq_mean (other modes
     weight each sequence's term by its length), and its sequence ratio assumes one advantage
     per sequence (token-level advantages are used as given, and reported)."""
-    if getattr(loss_cfg, "policy_loss", "ppo") != "gspo":
+    if loss_cfg.policy_loss != "gspo":
         return []
     notes = []
-    if loss_cfg.canonical_mode != "seq_mean":
-        notes.append(f"gspo with --pg-loss-aggregation {loss_cfg.canonical_mode}: each sequence's GSPO term is "
+    if loss_cfg.mode != "seq_mean":
+        notes.append(f"gspo with --pg-loss-aggregation {loss_cfg.mode}: each sequence's GSPO term is "
                      "weighted by its length; the paper's GSPO (value and gradient) is gspo under seq_mean")
     varying = total = 0
     for batch in batches.values():
@@ -567,14 +573,14 @@ class RolloutCorrection:
     """bool: valid tokens whose weight was capped at C."""
 
 
-def rollout_correction(batch: RolloutBatch, loss_cfg) -> Optional[RolloutCorrection]:
+def rollout_correction(batch: RolloutBatch, loss_cfg: PGLossConfig) -> Optional[RolloutCorrection]:
     """The correction ``loss_cfg.rollout_correction`` asks for (None when off), from
     ``delta_t = old_logprobs_t - rollout_logprobs_t`` (the trainer's behaviour policy against the
     engine that sampled): token_truncate ``w_t = min(exp(delta_t), C)`` (TIS); token_mask keeps
     tokens with ``exp(delta_t)`` in ``[c, C]``; sequence_truncate ``w_i = min(exp(mean_i delta), C)``
     and sequence_mask keep or drop a whole sequence on ``exp(mean_i delta)``, the mean over the
     sequence's valid (denominator) tokens. Computed once per step on the host."""
-    kind = getattr(loss_cfg, "rollout_correction", None)
+    kind = loss_cfg.rollout_correction
     if kind is None:
         return None
     valid = batch.loss_mask
@@ -598,16 +604,15 @@ def rollout_correction(batch: RolloutBatch, loss_cfg) -> Optional[RolloutCorrect
     return RolloutCorrection(numerator & keep, torch.ones_like(ratio, dtype=torch.float32), valid & ~keep, no)
 
 
-def _correction_report(cut: dict) -> dict:
-    """Per-microbatch host sums: ``[masked, valid]``, ``[truncated, valid]``, ``[sum w, numerator]``."""
-    den = cut["denominator_mask"]
-    valid = float(den.sum())
-    num = cut["numerator_mask"]
+def correction_stats(batch: RolloutBatch, correction: RolloutCorrection) -> dict:
+    """The step's correction counts as host ``{name: (sum, count)}``: tokens masked and truncated
+    over the valid tokens, and the sum of the weights over the (corrected) numerator tokens."""
+    valid = float(batch.loss_mask.sum())
+    numerator = correction.numerator_mask
     return {
-        "correction_masked": torch.tensor([float(cut["corr_masked"].sum()), valid]),
-        "correction_truncated": torch.tensor([float(cut["corr_truncated"].sum()), valid]),
-        "correction_weight": torch.tensor([float(torch.where(num, cut["pg_weights"], 0.0).sum()),
-                                           float(num.sum())]),
+        "correction_masked": (float(correction.masked.sum()), valid),
+        "correction_truncated": (float(correction.truncated.sum()), valid),
+        "correction_weight": (float(torch.where(numerator, correction.weights, 0.0).sum()), float(numerator.sum())),
     }
 
 

@@ -1,4 +1,4 @@
-"""Rollout files: the on-disk format the training launcher reads, checked line by line on the host.
+"""Rollout files: the on-disk format the training launcher reads, checked on the host as it is read.
 
 Format
 ------
@@ -33,12 +33,13 @@ Rules, and why:
   ``vocab_size``, are below it;
 * every per-token array has exactly as many entries as ``response_ids``;
 * numbers may be any JSON number, including the ``NaN``/``Infinity``/``-Infinity`` tokens that
-  Python's ``json`` writes. A non-finite ``advantages``/``old_logprobs``/``ref_logprobs`` entry
-  is an error where ``loss_mask`` is 1 and is loaded as 0.0 where it is 0 (masked positions carry
-  no signal, but a NaN there would still poison gradients downstream);
-* ``old_logprobs``/``ref_logprobs`` entries are log-probabilities: one above ``1e-4`` (float
-  noise around 0 is allowed) where ``loss_mask`` is 1 is an error, since it is a probability above
-  1 (a sign or unit mix-up upstream); masked positions are not checked;
+  Python's ``json`` writes; they are loaded as float32. A non-finite ``advantages``/
+  ``old_logprobs``/``ref_logprobs``/``rollout_logprobs`` entry (after that conversion) is an
+  error where ``loss_mask`` is 1 and is loaded as 0.0 where it is 0 (masked positions carry no
+  signal, but a NaN there would still poison gradients downstream);
+* ``old_logprobs``/``ref_logprobs``/``rollout_logprobs`` entries are log-probabilities: one above
+  ``1e-4`` (float noise around 0 is allowed) where ``loss_mask`` is 1 is an error, since it is a
+  probability above 1 (a sign or unit mix-up upstream); masked positions are not checked;
 * a step whose responses have no valid token at all is allowed (it has weight 0);
   a file with no rollouts at all is an error.
 
@@ -50,12 +51,17 @@ Example line::
 Errors are :class:`RolloutFormatError`, whose message starts with ``"{path}:{line}: field
 '{field}': "`` (``"{path}:{line}: "`` when no single field is at fault, ``"{path}: "`` for the
 file as a whole, ``"{path}: step {k}: "`` for :func:`write_rollouts`' input) and then says what
-is wrong and what was expected. Loading is all-or-nothing: the first bad line raises and nothing
-is returned.
+is wrong and what was expected; a fault of one value names its position (``"loss_mask[1]=2"``).
+Loading is all-or-nothing: the first bad line raises and nothing is returned.
 
-Every check happens here, on the host where the data is built, so the training hot path can trust
-the data. The checks run at C speed on valid data (set/min/max over each array) and only walk an
-array element by element to describe a fault.
+Two kinds of check, each written once. This module checks the file format, line by line: UTF-8,
+JSON, one object per line, field names, JSON types, ``step`` and ``group_id``. The values (0/1
+masks, lengths, token ids, finiteness and log-prob signs at valid positions, the numerator within
+``loss_mask``) are checked by :class:`~megatron_pg_agg.data.rollouts.RolloutBatch` itself when
+each step is packed, the same checker every other path uses; its fault becomes a
+:class:`RolloutFormatError` naming the line of the offending rollout. Both run at C speed on
+valid data (type sets, vector operations) and only walk an array element by element to describe
+a fault.
 """
 from __future__ import annotations
 
@@ -66,9 +72,10 @@ import os
 from collections.abc import Sequence
 from typing import Callable, NoReturn, Optional, Union
 
+import torch
+
 from .atomic_files import atomic_write
-from .rollouts import Rollout
-from .rollouts import LOGPROB_TOLERANCE
+from .rollouts import NUMBER_FIELDS, PlanError, Rollout, RolloutBatch, number_tensor
 
 __all__ = ["RolloutFormatError", "load_rollouts", "write_rollouts"]
 
@@ -80,8 +87,12 @@ KNOWN_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 _KNOWN_SET = frozenset(KNOWN_FIELDS)
 _INT = {int}
 _NUMBER = {int, float}
-_BITS = {0, 1}
-_LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
+# list field -> (allowed JSON element types, what the message expects, what the array holds)
+_IDS = (_INT, "an integer token id", "integer token ids")
+_FLAGS = (_INT, "the integer 0 or 1", "0/1 flags")
+_NUMBERS = (_NUMBER, "a number", "numbers")
+_ELEMENTS = {"prompt_ids": _IDS, "response_ids": _IDS, "loss_mask": _FLAGS, "numerator_mask": _FLAGS,
+             **{name: _NUMBERS for name in NUMBER_FIELDS}}
 
 
 class RolloutFormatError(ValueError):
@@ -182,107 +193,26 @@ def _check_list(record: dict, name: str, what: str, fail: Fail) -> list:
     return value
 
 
-def _check_length(name: str, values: list, n: int, fail: Fail) -> None:
-    if len(values) != n:
-        fail(name, f"has {len(values)} entries but response_ids has {n}; expected one per response token")
+def _check_elements(record: dict, name: str, fail: Fail) -> list:
+    """A list field whose elements have the JSON type the format asks (token ids and mask flags
+    are integers, never booleans or ``2.0``; numbers are integers or floats). Values (0/1, ranges,
+    finiteness, lengths) are judged by the batch checker once the step is packed."""
+    kinds, expected, what = _ELEMENTS[name]
+    values = _check_list(record, name, what, fail)
+    if not set(map(type, values)) <= kinds:  # C speed; the element walk only describes a fault
+        j = _first(values, lambda v: type(v) not in kinds)
+        fail(name, f"{name}[{j}] is {_describe(values[j])}; expected {expected}")
+    return values
 
 
-def _check_token_ids(record: dict, name: str, vocab_size: Optional[int], fail: Fail) -> list:
-    ids = _check_list(record, name, "integer token ids", fail)
-    if not ids:
-        why = ("the first response token is predicted from the last prompt position"
-               if name == "prompt_ids" else "a response is trained on its tokens")
-        fail(name, f"is empty; expected at least one token ({why})")
-    if set(map(type, ids)) != _INT:
-        j = _first(ids, lambda t: type(t) is not int)
-        fail(name, f"{name}[{j}] is {_describe(ids[j])}; expected an integer token id")
-    if min(ids) < 0:
-        j = _first(ids, lambda t: t < 0)
-        fail(name, f"{name}[{j}] is {ids[j]}; expected a token id >= 0")
-    if vocab_size is not None and max(ids) >= vocab_size:
-        j = _first(ids, lambda t: t >= vocab_size)
-        fail(name, f"{name}[{j}] is {ids[j]}, outside the vocabulary; expected a token id in [0, {vocab_size})")
-    return ids
-
-
-def _check_mask(record: dict, name: str, n: int, fail: Fail) -> list:
-    mask = _check_list(record, name, "0/1 flags", fail)
-    _check_length(name, mask, n, fail)
-    if set(map(type, mask)) != _INT:
-        j = _first(mask, lambda m: type(m) is not int)
-        fail(name, f"{name}[{j}] is {_describe(mask[j])}; expected the integer 0 or 1")
-    if not set(mask) <= _BITS:
-        j = _first(mask, lambda m: m not in _BITS)
-        fail(name, f"{name}[{j}] is {mask[j]}; expected 0 or 1")
-    return mask
-
-
-def _float_or_inf(v) -> float:
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf if v > 0 else -math.inf
-
-
-def _to_floats(values: list) -> list:
-    """Floats of JSON numbers; an integer too large for a float becomes inf (then judged as such)."""
-    try:
-        return list(map(float, values))
-    except OverflowError:
-        return list(map(_float_or_inf, values))
-
-
-def _check_numbers(record: dict, name: str, loss_mask: list, fail: Fail) -> list:
-    """Per-token numbers as floats; non-finite is an error at valid positions, 0.0 elsewhere, and
-    so is a log-prob above ``LOGPROB_TOLERANCE`` at a valid position (``name`` a log-prob field)."""
-    values = _check_list(record, name, "numbers", fail)
-    _check_length(name, values, len(loss_mask), fail)
-    types = set(map(type, values))
-    if not types <= _NUMBER:
-        j = _first(values, lambda v: type(v) not in _NUMBER)
-        fail(name, f"{name}[{j}] is {_describe(values[j])}; expected a number")
-    floats = values if types == {float} else _to_floats(values)
-    if not all(map(math.isfinite, floats)):
-        floats = list(floats)
-        for j, (v, m) in enumerate(zip(floats, loss_mask)):
-            if not math.isfinite(v):
-                if m:
-                    shown = "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")  # JSON's spelling
-                    fail(name, f"{name}[{j}] is {shown} where loss_mask is 1; expected a finite number "
-                               "(non-finite values are only allowed, and loaded as 0.0, where loss_mask is 0)")
-                floats[j] = 0.0
-    if name in _LOGPROB_FIELDS and floats and max(floats) > LOGPROB_TOLERANCE:
-        # masked positions may hold anything: only a valid one is at fault
-        j = next((k for k, (v, m) in enumerate(zip(floats, loss_mask)) if m and v > LOGPROB_TOLERANCE), None)
-        if j is not None:
-            fail(name, f"{name}[{j}] is {values[j]!r} where loss_mask is 1; expected a log-probability <= 0 "
-                       f"(above 0 is a probability above 1; up to {LOGPROB_TOLERANCE:g} is allowed as float noise)")
-    return floats
-
-
-def _rollout_from_record(record: dict, fail: Fail, vocab_size: Optional[int], require_ref: bool):
-    """Check one record (a parsed line) and build its ``(step, Rollout)``; ``fail`` locates errors."""
+def _rollout_from_record(record: dict, fail: Fail, require_ref: bool):
+    """Check one record's format (a parsed line: field names and JSON types) and build its
+    ``(step, Rollout)``; ``fail`` locates errors. Its values are checked with its step's batch."""
     _check_field_names(record, fail, require_ref)
     step = _check_step(record["step"], fail)
     group_id = _check_group_id(record["group_id"], fail)
-    prompt_ids = _check_token_ids(record, "prompt_ids", vocab_size, fail)
-    response_ids = _check_token_ids(record, "response_ids", vocab_size, fail)
-    n = len(response_ids)
-    loss_mask = _check_mask(record, "loss_mask", n, fail)
-    numerator_mask = None
-    if record.get("numerator_mask") is not None:
-        numerator_mask = _check_mask(record, "numerator_mask", n, fail)
-        if numerator_mask != loss_mask and any(map(int.__gt__, numerator_mask, loss_mask)):
-            j = _first(range(n), lambda k: numerator_mask[k] > loss_mask[k])
-            fail("numerator_mask", f"numerator_mask[{j}] is 1 where loss_mask is 0; expected 1 only "
-                                   "where loss_mask is 1 (the numerator is a subset of the valid tokens)")
-    advantages = _check_numbers(record, "advantages", loss_mask, fail)
-    old_logprobs = _check_numbers(record, "old_logprobs", loss_mask, fail)
-    optional = {name: _check_numbers(record, name, loss_mask, fail)
-                for name in ("ref_logprobs", "rollout_logprobs") if record.get(name) is not None}
-    return step, Rollout(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=loss_mask,
-                         advantages=advantages, old_logprobs=old_logprobs, group_id=group_id,
-                         numerator_mask=numerator_mask, **optional)
+    lists = {name: _check_elements(record, name, fail) for name in _ELEMENTS if record.get(name) is not None}
+    return step, Rollout(group_id=group_id, **lists)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -327,42 +257,74 @@ def _parse_line(raw: bytes, path, lineno: int) -> dict:
     return record
 
 
+def _step_fault(path, step, err: PlanError, where) -> RolloutFormatError:
+    """The batch checker's PlanError for rollout ``err.rollout`` of ``step``, located by
+    ``where(rollout)``: the file line (loader) or the step and rollout (writer)."""
+    if err.rollout is None:  # not about one rollout (cannot happen for packed records): the step
+        return RolloutFormatError(path, str(err), step=step)
+    return RolloutFormatError(path, err.problem, field=err.field, **where(err.rollout))
+
+
+def _packed_steps(path, records: dict, lines: dict, vocab_size: Optional[int], fault) -> dict:
+    """Each step's records packed into a RolloutBatch by the one checker (values: masks 0/1,
+    finiteness and log-prob sign at valid positions, numerator within loss_mask, lengths, token
+    ids). Raises the fault of the first bad line: the earliest of the checker's faults (one per
+    step) and ``fault``, the format error that stopped reading (None if none did)."""
+    faults = [] if fault is None else [fault]
+    batches = {}
+    for step in sorted(records):
+        try:
+            batches[step] = RolloutBatch.from_rollouts(records.pop(step), vocab_size=vocab_size)
+        except PlanError as err:
+            faults.append(_step_fault(path, step, err, lambda i, _step=step: {"line": lines[_step][i]}))
+    if faults:
+        raise min(faults, key=lambda e: e.line if e.line is not None else 0)
+    return batches
+
+
 def load_rollouts(path: PathLike, *, vocab_size: Optional[int] = None,
                   require_ref: bool = False) -> dict:
     """Read and check a rollout file (format in the module docstring).
 
-    Returns ``{step: [Rollout, ...]}`` with steps in ascending order and each step's rollouts in
-    file order (the planner regroups them). Per-token lists are plain Python lists: ints for ids
-    and masks, floats for the numbers. ``vocab_size`` bounds token ids; ``require_ref`` makes
-    ``ref_logprobs`` mandatory (a KL penalty needs it). Raises :class:`RolloutFormatError` at the
-    first bad line; nothing is returned then.
+    Returns ``{step: RolloutBatch}`` with steps in ascending order and each step's rollouts in
+    file order (the planner regroups them), each step packed and checked once (its values by
+    :class:`~megatron_pg_agg.data.rollouts.RolloutBatch`'s own checker; non-finite numbers at
+    masked positions are stored as 0.0). ``vocab_size`` bounds token ids; ``require_ref`` makes
+    ``ref_logprobs`` mandatory (a KL penalty needs it). Raises :class:`RolloutFormatError` naming
+    the first bad line (file, line, field and, for a value, its position); nothing is returned then.
     """
     try:
         f = open(path, "rb")
     except OSError as exc:
         raise RolloutFormatError(path, f"cannot read the rollout file ({exc.strerror or exc}); "
                                        "expected a readable JSON Lines file") from None
-    steps: dict = {}
+    records: dict = {}  # step -> [Rollout] in file order
+    lines: dict = {}  # step -> the line of each of its rollouts: a value fault names its line
     group_home: dict = {}  # group_id -> (step, first line)
+    fault = None
     with f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.isspace():
-                continue
-            record = _parse_line(raw, path, lineno)
+        try:
+            for lineno, raw in enumerate(f, 1):
+                if raw.isspace():
+                    continue
+                record = _parse_line(raw, path, lineno)
 
-            def fail(field, problem, _line=lineno):
-                raise RolloutFormatError(path, problem, line=_line, field=field)
+                def fail(field, problem, _line=lineno):
+                    raise RolloutFormatError(path, problem, line=_line, field=field)
 
-            step, rollout = _rollout_from_record(record, fail, vocab_size, require_ref)
-            home = group_home.setdefault(rollout.group_id, (step, lineno))
-            if home[0] != step:
-                fail("group_id", f"group {_describe(rollout.group_id)} is in step {step} here but in "
-                                 f"step {home[0]} at line {home[1]}; expected a prompt group in one step")
-            steps.setdefault(step, []).append(rollout)
-    if not steps:
+                step, rollout = _rollout_from_record(record, fail, require_ref)
+                home = group_home.setdefault(rollout.group_id, (step, lineno))
+                if home[0] != step:
+                    fail("group_id", f"group {_describe(rollout.group_id)} is in step {step} here but in "
+                                     f"step {home[0]} at line {home[1]}; expected a prompt group in one step")
+                records.setdefault(step, []).append(rollout)
+                lines.setdefault(step, []).append(lineno)
+        except RolloutFormatError as err:
+            fault = err  # reading stops; a value fault on an earlier line is reported first
+    if fault is None and not records:
         raise RolloutFormatError(path, "has no rollouts (the file is empty or only blank lines); "
                                        "expected one JSON object per line")
-    return {k: steps[k] for k in sorted(steps)}
+    return _packed_steps(path, records, lines, vocab_size, fault)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -396,40 +358,72 @@ def _record_of(step: int, r: Rollout) -> dict:
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))  # strict JSON, compact
 
 
-def _checked_lines(path, steps: dict):
-    """Yield the JSON lines for ``steps``, each after the loader's own checks (so what is
-    written loads); a generator, so a large step is never held twice in memory."""
-    if not isinstance(steps, dict) or not steps:
-        raise RolloutFormatError(path, f"nothing to write: expected a non-empty dict {{step: [Rollout, ...]}}, "
-                                       f"got {_describe(steps)}")
-    group_home: dict = {}  # group_id -> (step, rollout index)
-    bad_keys = [k for k in steps if type(k) is not int or k < 0]
-    if bad_keys:
-        raise RolloutFormatError(path, f"step key {bad_keys[0]!r} is not an integer >= 0; expected one",
-                                 field="step")
-    for step in sorted(steps):
-        rollouts = steps[step]
-        if not isinstance(rollouts, (list, tuple)) or not rollouts:
-            raise RolloutFormatError(path, f"is {_describe(rollouts)}; expected a non-empty list of Rollout "
-                                           "(an empty step cannot be written: the file has no line for it)",
-                                     step=step)
+def _loaded_numbers(record: dict) -> None:
+    """The record's numbers in their loaded form, in place: floats, with a non-finite value (the
+    checker allowed it only at a masked position) as 0.0, so the file is strict JSON and loads
+    back to exactly what load_rollouts returns. float64 keeps every written number exact."""
+    for name in NUMBER_FIELDS:
+        values = record.get(name)
+        if values is None:
+            continue
+        try:
+            floats = list(map(float, values))  # C speed; the common case ends here
+        except OverflowError:  # an integer too large for a float: +-inf, then 0.0 below
+            floats = number_tensor(values, torch.float64).tolist()
+        if not all(map(math.isfinite, floats)):
+            t = torch.tensor(floats, dtype=torch.float64)
+            floats = torch.where(torch.isfinite(t), t, 0.0).tolist()
+        record[name] = floats
+
+
+def _step_records(path, step: int, rollouts, group_home: dict) -> list:
+    """Step ``step``'s records, each checked with the loader's rules: its format here, its values
+    by the batch checker (the step packed as a RolloutBatch), the first bad rollout raised."""
+    if not isinstance(rollouts, (list, tuple)) or not rollouts:
+        raise RolloutFormatError(path, f"is {_describe(rollouts)}; expected a non-empty list of Rollout "
+                                       "(an empty step cannot be written: the file has no line for it)",
+                                 step=step)
+    records, fault = [], None
+    try:
         for i, r in enumerate(rollouts):
-            def fail(field, problem, _step=step, _i=i):
-                raise RolloutFormatError(path, problem, step=_step, rollout=_i, field=field)
+            def fail(field, problem, _i=i):
+                raise RolloutFormatError(path, problem, step=step, rollout=_i, field=field)
 
             if not isinstance(r, Rollout):
                 fail(None, f"is {_describe(r)}; expected a Rollout")
             record = _record_of(step, r)
-            _, checked = _rollout_from_record(record, fail, None, False)
+            _, checked = _rollout_from_record(record, fail, False)
             home = group_home.setdefault(r.group_id, (step, i))
             if home[0] != step:
                 fail("group_id", f"group {_describe(r.group_id)} is also in step {home[0]} (rollout "
                                  f"{home[1]}); expected a prompt group in one step")
-            # write the loaded form: non-finite values at masked positions become 0.0, so the
-            # file is strict JSON and loads back to exactly what load_rollouts returns
-            for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
-                if name in record:
-                    record[name] = getattr(checked, name)
+            records.append((record, checked))
+    except RolloutFormatError as err:
+        fault = err  # the rollouts before it are value-checked first: an earlier fault comes first
+    if records:
+        try:
+            RolloutBatch.from_rollouts([checked for _, checked in records])
+        except PlanError as err:
+            raise _step_fault(path, step, err, lambda i: {"step": step, "rollout": i}) from None
+    if fault is not None:
+        raise fault
+    return [record for record, _ in records]
+
+
+def _checked_lines(path, steps: dict):
+    """Yield the JSON lines for ``steps``, each step after the loader's own checks (so what is
+    written loads); a generator, so only one step's records are held at a time."""
+    if not isinstance(steps, dict) or not steps:
+        raise RolloutFormatError(path, f"nothing to write: expected a non-empty dict {{step: [Rollout, ...]}}, "
+                                       f"got {_describe(steps)}")
+    bad_keys = [k for k in steps if type(k) is not int or k < 0]
+    if bad_keys:
+        raise RolloutFormatError(path, f"step key {bad_keys[0]!r} is not an integer >= 0; expected one",
+                                 field="step")
+    group_home: dict = {}  # group_id -> (step, rollout index)
+    for step in sorted(steps):
+        for record in _step_records(path, step, steps[step], group_home):
+            _loaded_numbers(record)
             yield _ENCODER.encode(record)
 
 
@@ -442,8 +436,8 @@ def write_rollouts(path: PathLike, steps: dict) -> PathLike:
     written, so a reader never sees a half-written file and a failed write (bad input, full disk)
     leaves the old file as it was and no temporary file behind.
 
-    ``load_rollouts(write_rollouts(p, steps))`` returns ``steps`` (steps sorted, sequences as
-    plain lists, numbers as floats, non-finite values at masked positions as 0.0).
+    ``load_rollouts(write_rollouts(p, steps))`` returns ``{k: RolloutBatch.from_rollouts(steps[k])}``
+    for the steps in ascending order (non-finite values at masked positions as 0.0, in the file too).
     """
     lines = _checked_lines(path, steps)
 

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from megatron_pg_agg.patches import moe_aux_loss
+
 
 class MegatronConfigError(ValueError):
     """A Megatron configuration under which the objective would silently be wrong."""
@@ -69,8 +71,6 @@ def _moe_problems(config) -> list:
         )
     if not getattr(config, "num_moe_experts", None):
         return problems
-    from megatron_pg_agg.patches import moe_aux_loss
-
     if (getattr(config, "calculate_per_token_loss", False) and not moe_aux_loss.is_active()
             and any(c > 0 for c in _router_loss_coefficients(config))):
         problems.append(

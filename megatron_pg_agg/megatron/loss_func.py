@@ -16,15 +16,21 @@ from __future__ import annotations
 from functools import partial
 from typing import Iterator, Optional
 
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_pg_agg.core.losses import PGLossConfig, SequenceStatistic, pg_loss_sum, vocab_parallel_logprobs
-from megatron_pg_agg.data.planner import Microbatch, StepTotals
+from megatron_pg_agg.core.losses import (
+    PGLossConfig,
+    SequenceStatistic,
+    StepTotals,
+    pg_loss_sum,
+    vocab_parallel_logprobs,
+)
+from megatron_pg_agg.data.planner import Microbatch
 
 
 def packed_seq_params(mb: Microbatch):
     """THD PackedSeqParams of a microbatch (real and padded boundaries, as TE expects)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=mb.cu_seqlens,
@@ -50,21 +56,7 @@ def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_
     if loss_cfg.needs_sequence_statistic:
         sequences = SequenceStatistic(mb.cu_seqlens_local, mb.seq_numerator_tokens, logprobs.numel(),
                                       cp_group=cp_group)
-    loss, count, report = pg_loss_sum(
-        logprobs,
-        old_logprobs=mb.old_logprobs,
-        advantages=mb.advantages,
-        numerator_mask=mb.numerator_mask,
-        denominator_mask=mb.denominator_mask,
-        weights=mb.weights,
-        totals=totals,
-        cfg=loss_cfg,
-        ref_logprobs=mb.ref_logprobs,
-        entropy=entropy,
-        sequences=sequences,
-        pg_weights=mb.pg_weights,
-        extra_report=mb.correction_report,
-    )
+    loss, count, report = pg_loss_sum(logprobs, mb, totals, loss_cfg, entropy=entropy, sequences=sequences)
     return loss, count, report
 
 
@@ -100,8 +92,6 @@ def run_schedule(model: list, microbatches: list, forward_step, *, forward_only:
     iterator per model chunk with virtual pipeline stages); returns the loss reports of the last
     stage. ``seq_length`` (the pipeline's p2p buffer length) defaults to the longest
     :class:`Microbatch`. The one place the project calls ``get_forward_backward_func()``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches),

@@ -18,10 +18,10 @@ WHY
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import fields
 from typing import Optional
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -63,8 +63,6 @@ def _no_cuda_graph_modules() -> dict:
     up to 0.17, ``cuda_graph_modules`` from 0.18 (which deprecates the old name and warns on it).
     The same as megatron-core's default "full" (no CUDA graphs are captured either way), without
     the deprecation warning that default itself raises in 0.16."""
-    from dataclasses import fields
-
     names = {f.name for f in fields(TransformerConfig)}
     return {"cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope": []}
 
@@ -127,7 +125,8 @@ def gpt_layer_spec(use_te: Optional[bool] = None, num_experts: Optional[int] = N
     if use_te:
         if not te_usable():
             raise RuntimeError("use_te=True needs transformer_engine and a CUDA device")
-        from megatron.core.models.gpt.gpt_layer_specs import (
+        # Transformer Engine is an optional GPU extra: its spec is imported only when asked for
+        from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415
             get_gpt_layer_with_transformer_engine_spec,
         )
 

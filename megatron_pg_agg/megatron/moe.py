@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron_pg_agg.patches.moe_aux_loss import clear_moe_aux_loss_scale, set_moe_aux_loss_scale
+from megatron_pg_agg.patches.moe_aux_loss import clear_moe_aux_loss_scale, moe_aux_loss_scale, set_moe_aux_loss_scale
 
 __all__ = [
     "ROUTER_LOSS_NAMES",
@@ -50,8 +52,6 @@ def begin_moe_step(pg_weight: int, microbatches_per_rank: int, dp_size: int) -> 
 
 
 def _local_routers(model_chunks) -> int:
-    from megatron.core.transformer.moe.router import TopKRouter
-
     return sum(1 for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter))
 
 
@@ -67,8 +67,6 @@ def router_loss_pairs(model_chunks, num_microbatches: int, *, device=None) -> to
     rank) is counted on every rank, so the ratio is the mean. Call after the schedule, on every
     rank, after each training step (no collective here; no host sync).
     """
-    import torch.distributed as dist
-
     tracker, clear = _router_loss_tracker()
     out = torch.zeros(len(ROUTER_LOSS_NAMES), 2, dtype=torch.float64, device=device)
     routers = _local_routers(model_chunks)
@@ -90,9 +88,10 @@ def _router_loss_tracker():
     (``moe_utils.clear_aux_losses_tracker`` is then a deprecated wrapper that warns on every call);
     up to 0.17 the ``moe_utils`` functions."""
     try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+        # looked up per release, at the call: the module exists from 0.18 only
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # noqa: PLC0415
     except ImportError:  # megatron-core <= 0.17
-        from megatron.core.transformer.moe.moe_utils import (
+        from megatron.core.transformer.moe.moe_utils import (  # noqa: PLC0415
             clear_aux_losses_tracker,
             get_moe_layer_wise_logging_tracker,
         )
@@ -111,6 +110,4 @@ def router_loss_values(pairs: torch.Tensor) -> dict:
 
 def step_factor() -> Optional[float]:
     """The aux-loss factor currently set (None: none)."""
-    from megatron_pg_agg.patches.moe_aux_loss import moe_aux_loss_scale
-
     return moe_aux_loss_scale()

@@ -11,41 +11,16 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state, tensor_parallel
 
+from .layout import ParallelSizes
+
 __all__ = ["ParallelSizes", "free_port", "init_distributed", "init_parallel", "teardown_parallel"]
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """The parallel sizes of a run (tensor, pipeline, virtual pipeline, context, data); ``dp`` is
-    derived from the world size."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    dp: int = 1
-
-    def config_kwargs(self) -> dict:
-        """The parallel sizes as ``TransformerConfig`` keyword arguments."""
-        return dict(
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp,
-            context_parallel_size=self.cp,
-        )
-
-    def __str__(self) -> str:
-        v = f"(vpp={self.vpp})" if self.vpp else ""
-        return f"TP{self.tp}xPP{self.pp}{v}xCP{self.cp}xDP{self.dp}"
 
 
 def free_port() -> int:
@@ -80,22 +55,24 @@ def init_distributed(
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, vpp: Optional[int] = None, cp: int = 1, *, seed: int = 1234, ep: int = 1,
-    timeout_minutes: Optional[float] = None,
+    layout: ParallelSizes, *, seed: int = 1234, ep: int = 1, timeout_minutes: Optional[float] = None,
 ) -> ParallelSizes:
     """(Re)initialise megatron's model-parallel state for one layout and seed its RNG tracker.
 
     ``torch.distributed`` must be initialised (see :func:`init_distributed`); the data-parallel
-    size is ``world_size / (tp * pp * cp)``. ``vpp`` is the number of virtual pipeline stages per
-    rank (interleaved schedule), ``None`` for none. ``timeout_minutes`` is the timeout of megatron's
+    size is ``world_size / (tp * pp * cp)`` (a ``layout.dp`` that disagrees is refused). ``ep``:
+    expert-parallel size (carved out of DP). ``timeout_minutes`` is the timeout of megatron's
     process groups (DP, TP, PP, ...: the ones the schedules and DDP use); None keeps megatron's
-    default (30 minutes).
+    default (30 minutes). Returns the layout with ``dp`` filled in.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
+    tp, pp, vpp, cp = layout.tp, layout.pp, layout.vpp, layout.cp
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp * pp * cp}")
+    if layout.dp is not None and layout.dp * tp * pp * cp != world:
+        raise ValueError(f"{layout} needs {layout.dp * tp * pp * cp} ranks; the world has {world}")
     if vpp is not None and pp < 2:
         raise ValueError("virtual pipeline stages (vpp) need pp >= 2")
     teardown_parallel()

@@ -32,11 +32,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import Tensor
-
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from torch import Tensor
 
 from megatron_pg_agg.core.segments import segment_of
 

@@ -19,10 +19,20 @@ Modules: ``fixture`` (tolerances, the built-in step, the cases), ``models`` (the
 plot), ``cli`` (the command).
 """
 from .cli import launch, main
-from .fixture import (CONSTANT_DIVISOR, DEFAULT_CASES, GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, VOCAB,
-                      ParityCase, loss_config, parity_rollouts)
-from .report import find_markdown_table, markdown_table
+from .fixture import (
+                      CONSTANT_DIVISOR,
+                      DEFAULT_CASES,
+                      GRAD_RTOL,
+                      MODES,
+                      OBJECTIVE_RTOL,
+                      POLICY_LOSSES,
+                      VOCAB,
+                      ParityCase,
+                      loss_config,
+                      parity_rollouts,
+)
 from .reference import step_objective
+from .report import find_markdown_table, markdown_table
 
 __all__ = ["CONSTANT_DIVISOR", "DEFAULT_CASES", "GRAD_RTOL", "MODES", "OBJECTIVE_RTOL", "POLICY_LOSSES", "VOCAB",
            "ParityCase", "find_markdown_table", "launch", "loss_config", "main", "markdown_table",

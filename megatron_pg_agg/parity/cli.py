@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 
 from megatron_pg_agg.parity import __doc__ as PACKAGE_DOC
+
 from .fixture import DEFAULT_CASES, MODES, POLICY_LOSSES
 from .report import plot_errors, print_table
 
@@ -61,7 +62,7 @@ def launch(cases, modes, policy_losses=POLICY_LOSSES, *, timeout_s: float = 900.
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 raise RuntimeError(f"parity launch ({world} ranks) timed out after {timeout_s:.0f}s:\n"
-                                   + "".join(lines[-200:]))
+                                   + "".join(lines[-200:])) from None
             if proc.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"parity launch ({world} ranks) failed with rc={proc.returncode}:\n"
                                    + "".join(lines[-200:]))

@@ -9,6 +9,7 @@ from typing import Optional
 from megatron_pg_agg.core.losses import POLICY_LOSSES, PGLossConfig
 from megatron_pg_agg.core.modes import MODES
 from megatron_pg_agg.data.rollouts import Rollout
+from megatron_pg_agg.megatron.layout import ParallelSizes
 
 OBJECTIVE_RTOL = 1e-6
 """Largest relative error of the logged objective against the reference."""
@@ -67,6 +68,11 @@ class ParityCase:
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def layout(self) -> ParallelSizes:
+        """The case's parallel layout."""
+        return ParallelSizes(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, dp=self.dp)
 
     @property
     def expect_fail(self) -> bool:

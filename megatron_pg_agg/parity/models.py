@@ -7,9 +7,13 @@
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_pg_agg.megatron.model import transformer_config
+from megatron_pg_agg.megatron.model import build_model_chunks, transformer_config
+
+from .fixture import MAX_SEQ_LEN, MOE_AUX_COEFF, MOE_TOPK, MOE_Z_COEFF, NUM_LAYERS, VOCAB
 
 TINY_SIZES = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
 """Sizes of every tiny model unless overridden: small enough for several gloo ranks on 2 cores."""
@@ -34,8 +38,6 @@ class PerTokenLM(torch.nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, hidden_size: int = 32):
-        from megatron.core.enums import ModelType
-
         super().__init__()
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
@@ -52,8 +54,6 @@ class PerTokenLM(torch.nn.Module):
 
 
 def _moe_kwargs(case, router_losses: bool) -> dict:
-    from .fixture import MOE_AUX_COEFF, MOE_TOPK, MOE_Z_COEFF
-
     if not case.experts:
         return {}
     return dict(num_moe_experts=case.experts, moe_router_topk=MOE_TOPK,
@@ -67,9 +67,6 @@ def build_case_model(case, *, per_token_loss: bool = True, router_losses: bool =
     """``(config, chunks)``: this rank's chunks of the case's model (GPT, MoE GPT or PerTokenLM)
     for the current ``parallel_state``, initialised from one seed (the same weights on every
     rank before :func:`load_full_state` puts the reference's in)."""
-    from megatron_pg_agg.megatron.model import build_model_chunks
-    from .fixture import MAX_SEQ_LEN, NUM_LAYERS, VOCAB
-
     config = tiny_transformer_config(
         **_moe_kwargs(case, router_losses),
         num_layers=NUM_LAYERS,
@@ -99,8 +96,6 @@ def full_parameter_name(module, name: str) -> str:
         layer = module.decoder.layers[int(parts[2])]
         parts[2] = str(layer.layer_number - 1)
     if "local_experts" in parts:  # expert parallelism: local expert k of EP rank r is r * local + k
-        from megatron.core import parallel_state
-
         k = parts.index("local_experts") + 1
         local = len(module.decoder.layers[0].mlp.experts.local_experts)
         parts[k] = str(parallel_state.get_expert_model_parallel_rank() * local + int(parts[k]))
@@ -108,8 +103,6 @@ def full_parameter_name(module, name: str) -> str:
 
 
 def tp_rank_size_group():
-    from megatron.core import parallel_state
-
     return (parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_group())

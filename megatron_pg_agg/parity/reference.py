@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .fixture import MOE_EXPERTS, ParityCase, loss_config
+from .models import build_case_model, load_full_state
 
 __all__ = ["reference", "step_objective"]
 
@@ -76,7 +77,7 @@ def step_objective(forward_logits, rollouts, cfg) -> tuple:
     active. Returns ``(J, W)``: a float64 0-d tensor (differentiable) and the integer weight."""
     if getattr(cfg, "rollout_correction", None) is not None:
         raise NotImplementedError("the independent reference covers the policy losses without a rollout correction")
-    mode = cfg.canonical_mode
+    mode = cfg.mode
     zero = torch.zeros((), dtype=torch.float64)
     units = []  # per response: (group_id, N_s, D_s)
     kl_sum, ent_sum, tokens_d = zero, zero, 0
@@ -133,8 +134,6 @@ def reference(rollouts, mode: str, policy_loss: str, kind: str, full_state: Opti
     :func:`step_objective` differentiated by autograd. No planner, no token weights, no split.
     ``full_state``: the weights to use (the first call's model initialisation otherwise);
     ``state`` returns them, for the layouts to load."""
-    from .models import build_case_model, load_full_state
-
     cfg = loss_config(mode, policy_loss)
     case = ParityCase("reference", experts=MOE_EXPERTS if kind == "moe" else 0, per_token_model=kind == "per_token")
     _, chunks = build_case_model(case, router_losses=False)

@@ -83,11 +83,11 @@ def plot_errors(rows, path: str) -> None:
     """PNG of the max relative gradient error per layout and policy loss (one marker per mode)
     against the tolerance."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415  (optional: the [plot] extra)
     except ImportError as err:
         raise SystemExit("--plot needs matplotlib: pip install 'megatron_pg_agg[plot]'") from err
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     lines = list(dict.fromkeys((r["layout"], r["policy_loss"]) for r in rows
                                if not r["layout"].startswith("single")))

@@ -9,6 +9,7 @@ through the planner and megatron-core's real schedule and compares (rows on glob
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -17,6 +18,18 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+
+from megatron_pg_agg.core.aggregation import token_weights
+from megatron_pg_agg.core.losses import REPORT_KEYS
+from megatron_pg_agg.data.planner import PlanConfig, plan_step
+from megatron_pg_agg.megatron.config_checks import check_megatron_config
+from megatron_pg_agg.megatron.layout import ParallelSizes
+from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
+from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
+from megatron_pg_agg.megatron.step import StepGroups, run_pg_step
+from megatron_pg_agg.patches import apply_megatron_patches
 
 from .fixture import GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, VOCAB, ParityCase, loss_config, parity_rollouts
 from .models import build_case_model, full_parameter_name, load_full_state, tp_rank_size_group
@@ -45,7 +58,6 @@ def gather_full_grads(ddp_chunks) -> dict:
 def _per_microbatch_weights(mb, rollouts, cfg):
     """The control's bug: weights computed from the tokens one rank sees in one microbatch (its
     CP share of each sequence: the planner's ``cu_seqlens_local``)."""
-    from megatron_pg_agg.core.aggregation import token_weights
 
     groups = []
     for k, s in enumerate(mb.sequence_ids):
@@ -53,28 +65,24 @@ def _per_microbatch_weights(mb, rollouts, cfg):
             groups[-1] += 1
         else:
             groups.append(1)
-    return token_weights(mb.numerator_mask, mode=cfg.canonical_mode, divisor=cfg.divisor,
+    return token_weights(mb.numerator_mask, mode=cfg.mode, divisor=cfg.divisor,
                          cu_seqlens=mb.cu_seqlens_local.long(), group_sizes=groups,
                          denominator_mask=mb.denominator_mask)
 
 
 def _plan(case: ParityCase, rollouts, cfg, cp_rank: int):
-    from megatron_pg_agg.data.planner import PlanConfig, plan_step
 
     return plan_step(rollouts, cfg, PlanConfig(
         dp_size=case.dp, num_microbatches=case.num_microbatches, tp_size=case.tp, cp_size=case.cp,
         vocab_size=VOCAB, uniform_microbatch_tokens=case.uniform_tokens), cp_rank=cp_rank)
 
 
-def _forward_step(case: ParityCase, cfg, totals, device):
-    from megatron.core import parallel_state
+def _groups(case: ParityCase):
+    """The step's process groups; the control drops the CP group: each CP rank's sequence
+    statistic then comes from its own tokens only."""
 
-    from megatron_pg_agg.megatron.loss_func import make_forward_step
-
-    # the control drops the CP group: each CP rank's sequence statistic from its own tokens only
-    cp_group = None if case.control == "no_cp_statistic_reduction" else parallel_state.get_context_parallel_group()
-    return make_forward_step(cfg, totals, device=device, cp_group=cp_group,
-                             tp_group=parallel_state.get_tensor_model_parallel_group())
+    groups = StepGroups.from_parallel_state()
+    return replace(groups, context=None) if case.control == "no_cp_statistic_reduction" else groups
 
 
 def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device) -> None:
@@ -82,18 +90,12 @@ def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank,
     entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving the
     PG objective's gradient (the router losses add linearly; tests/distributed/test_moe.py checks that and
     their strength)."""
-    from megatron_pg_agg.megatron.loss_func import run_schedule
-    from megatron_pg_agg.megatron.moe import begin_moe_step
 
     total = {id(p): p.main_grad.detach().clone() for chunk in model for p in chunk.module.parameters()}
     aux_rollouts = [replace(r, advantages=[0.0] * len(r.advantages)) for r in rollouts]
     aux_cfg = replace(cfg, kl_coef=0.0, entropy_coef=0.0)
-    plan = _plan(case, aux_rollouts, aux_cfg, cp_rank)
-    mbs = plan.for_rank(dp_rank)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    begin_moe_step(plan.totals.pg_weight, len(mbs), case.dp)
-    run_schedule(model, mbs, _forward_step(case, aux_cfg, plan.totals, device))
+    run_pg_step(model, _plan(case, aux_rollouts, aux_cfg, cp_rank), aux_cfg, _groups(case), dp_rank=dp_rank,
+                experts=True, device=device)
     with torch.no_grad():
         for chunk in model:
             for p in chunk.module.parameters():
@@ -127,16 +129,9 @@ def _compare(case, policy, mode, objective, full, references, plan, step_s) -> d
 def run_case(case: ParityCase, rollouts, runs, full_states, references):
     """Run one case for each ``(policy_loss, mode)`` of ``runs``; rows on global rank 0 (None
     elsewhere)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
 
-    from megatron_pg_agg.megatron.config_checks import check_megatron_config
-    from megatron_pg_agg.megatron.loss_func import run_schedule
-    from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
-    from megatron_pg_agg.megatron.moe import begin_moe_step
-    from megatron_pg_agg.megatron.parallel import init_parallel, teardown_parallel
 
-    init_parallel(case.tp, case.pp, case.vpp, case.cp, ep=case.ep)
+    init_parallel(case.layout, ep=case.ep)
     per_token_loss = case.control != "megatron_default_averaging"
     config, chunks = build_case_model(case, per_token_loss=per_token_loss)
     load_full_state(chunks, full_states[case.model_kind])
@@ -147,7 +142,7 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
         check_megatron_config(config, ddp_config)
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_rank = parallel_state.get_context_parallel_rank()
-    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    groups = _groups(case)
     # MoE: expert gradients live on their EP rank (any DP rank): every rank sends its gradients
     keep = (dp_rank == 0 and cp_rank == 0) or bool(case.experts)
     device = torch.device("cuda") if torch.cuda.is_available() else None
@@ -155,32 +150,25 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
     for policy, mode in runs:
         cfg = loss_config(mode, policy)
         plan = _plan(case, rollouts, cfg, cp_rank)
-        mbs = plan.for_rank(dp_rank)
+        mbs = None
         if case.control == "per_microbatch_weights":
-            mbs = [replace(mb, weights=_per_microbatch_weights(mb, rollouts, cfg)) for mb in mbs]
-        for chunk in model:
-            chunk.zero_grad_buffer()
+            mbs = [replace(mb, token_weights=_per_microbatch_weights(mb, rollouts, cfg))
+                   for mb in plan.for_rank(dp_rank)]
         t0 = time.perf_counter()
-        if case.experts:  # the router losses' per-step factor W / M_total
-            begin_moe_step(plan.totals.pg_weight, len(mbs), case.dp)
-        store = run_schedule(model, mbs, _forward_step(case, cfg, plan.totals, device))
+        result = run_pg_step(model, plan, cfg, groups, dp_rank=dp_rank, experts=bool(case.experts),
+                             device=device, microbatches=mbs)
         step_s = time.perf_counter() - t0
         if case.experts:
             _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device)
-        pair = torch.zeros(2, dtype=torch.float64, device=device)
-        if last_stage:
-            for report in store:
-                pair += report["objective"].double()
-        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        pair = pair.cpu()
+        total, count = result.pairs[REPORT_KEYS.index("objective")].tolist()  # every stage has them
         grads = gather_full_grads(model) if keep else {}
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (last_stage and keep, pair.tolist(), grads))
+        dist.all_gather_object(gathered, grads)
         if dist.get_rank() != 0:
             continue
-        objective = next(p[0] / p[1] if p[1] else 0.0 for is_src, p, _ in gathered if is_src)
+        objective = total / count if count else 0.0
         full = {}
-        for _, _, g in gathered:
+        for g in gathered:
             full.update(g)
         rows.append(_compare(case, policy, mode, objective, full, references, plan, step_s))
     teardown_parallel()
@@ -188,10 +176,7 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
 
 
 def worker_main(argv=None) -> int:
-    import faulthandler
 
-    from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
-    from megatron_pg_agg.patches import apply_megatron_patches
 
     parser = argparse.ArgumentParser(prog="python -m megatron_pg_agg.parity.workers")
     parser.add_argument("--cases-json", required=True, help="JSON list of ParityCase fields")
@@ -211,7 +196,7 @@ def worker_main(argv=None) -> int:
     rollouts = parity_rollouts()
     runs = {case.name: case.runs(args.modes, args.policy_losses) for case in cases}
     # The references: the same on every rank (deterministic CPU init), then shared weights.
-    init_parallel(1, 1)
+    init_parallel(ParallelSizes())
     references, full_states = {}, {}
     needed = sorted({(case.model_kind, p, m) for case in cases for p, m in runs[case.name]})
     for kind, policy, mode in needed:

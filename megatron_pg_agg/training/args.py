@@ -17,7 +17,7 @@ import argparse
 import functools
 
 from megatron_pg_agg.core.losses import KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, PGLossConfig
-from megatron_pg_agg.core.modes import ALIASES, REFUSED_ALIASES, mode_choices, resolve_mode
+from megatron_pg_agg.core.modes import ALIASES, REFUSED_ALIASES, mode_choices
 
 #: (flag, argparse kwargs). Defaults match PGLossConfig's.
 PG_FLAGS = (
@@ -31,9 +31,11 @@ PG_FLAGS = (
         type=float, default=None, metavar="L",
         help="L of the constant mode (e.g. the maximum response length): "
              "J = sum of token losses / (active sequences * L)")),
-    ("--pg-clip-eps", dict(type=float, default=0.2, help="PPO clip epsilon (lower; also upper unless --pg-clip-eps-high)")),
+    ("--pg-clip-eps", dict(type=float, default=0.2,
+                           help="PPO clip epsilon (lower; also upper unless --pg-clip-eps-high)")),
     ("--pg-clip-eps-high", dict(type=float, default=None, help="PPO upper clip epsilon (DAPO clip-higher)")),
-    ("--pg-dual-clip", dict(type=float, default=None, metavar="C", help="dual-clip constant C > 1 for negative advantages")),
+    ("--pg-dual-clip", dict(type=float, default=None, metavar="C",
+                            help="dual-clip constant C > 1 for negative advantages")),
     ("--pg-kl-coef", dict(type=float, default=0.0, help="KL penalty weight against the reference policy (token mean)")),
     ("--pg-kl-estimator", dict(default="k3", choices=KL_ESTIMATORS, help="per-token KL estimator")),
     ("--pg-entropy-coef", dict(type=float, default=0.0, help="entropy bonus weight (token mean)")),
@@ -83,7 +85,9 @@ def _validated(parse_known_args, parser):
         namespace, extras = parse_known_args(*a, **kw)
         if hasattr(namespace, "pg_loss_aggregation"):
             try:
-                resolve_mode(namespace.pg_loss_aggregation, namespace.pg_loss_aggregation_divisor)
+                # the flags are checked where the config is built: PGLossConfig.__post_init__. The
+                # object is not kept on the namespace: under Megatron-LM that namespace is its
+                # global args, which its checkpoints pickle
                 config_from_args(namespace)
             except (TypeError, ValueError) as err:
                 flagged = (str(err).replace("divisor=", "--pg-loss-aggregation-divisor=")

@@ -39,7 +39,8 @@ def load_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
     with open(latest) as f:
         iteration = int(f.read().strip())
     path = os.path.join(directory, f"iter_{iteration:07d}", f"rank_{rank:05d}.pt")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    # tensors, numbers, strings and tuples only (no pickled code runs on load)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     for chunk, sd in zip(model, state["model"]):
         chunk.load_state_dict(sd)
     optimizer.load_state_dict(state["optimizer"])

@@ -2,24 +2,31 @@
 to its exit status (0 done, 2 refused at start-up, 3 stopped on a non-finite step)."""
 from __future__ import annotations
 
-import sys
+import logging
 
+from .logs import ALL_RANKS, setup_logging
 from .run_config import RunConfig, StartupError, build_parser
-from .trainer import NonFiniteStepError, train
 from .worker_process import keep_freed_memory, quiet_startup_noise, release_process_group
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv=None) -> int:
     keep_freed_memory()
-    quiet_startup_noise("[train]")
+    setup_logging("[train]")
+    quiet_startup_noise()
+    # imported only now: the trainer imports megatron.core, whose start-up warnings
+    # quiet_startup_noise must be in place for
+    from .trainer import NonFiniteStepError, train  # noqa: PLC0415
+
     namespace = build_parser().parse_args(argv)
     try:
         train(RunConfig.from_args(namespace))
     except StartupError as err:
-        print(f"[train] {err}", file=sys.stderr, flush=True)  # refused before any process group
+        logger.error(str(err), extra=ALL_RANKS)  # refused before any process group
         return 2
     except NonFiniteStepError as err:
-        print(f"[train] stopped: {err}", file=sys.stderr, flush=True)
+        logger.error(f"stopped: {err}", extra=ALL_RANKS)
         release_process_group()
         return 3
     return 0

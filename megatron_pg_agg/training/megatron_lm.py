@@ -26,25 +26,40 @@ iteration counter, restored by its ``--load``.
 """
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig, StepTotals, correction_values, report_values
+from megatron_pg_agg.data.planner import Microbatch, plan_step, policy_loss_notes
+from megatron_pg_agg.data.rollouts import PlanError
+from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log
+from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
+
+from .args import add_pg_agg_args, config_from_args
+from .logs import setup_logging
+
+# megatron.* (and the modules of megatron_pg_agg.megatron, which import it) are imported inside the
+# functions: the checkout's megatron.training exists only once use_checkout() has run, and
+# megatron.core's start-up warnings must meet the filters quiet_startup_noise() sets in main()
+from .rollout_steps import load_steps
+from .run_config import DataConfig, StartupError
+from .worker_process import die_with_launcher, quiet_startup_noise, release_process_group
+
+logger = logging.getLogger(__name__)
 
 ENV_CHECKOUT = "MEGATRON_LM_PATH"
 PG_PREFIX = "[pg]"
-
-
-class StartupError(ValueError):
-    """A run refused before its first step (exit status 2); the message lists every problem."""
-
-
-def _say(message: str) -> None:
-    """One line on rank 0's stderr (every rank reaches the same conclusions)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{PG_PREFIX} {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the checkout
@@ -90,12 +105,11 @@ def add_actor_args(parser):
     ``--eval-iters`` defaults to 0 here: an RL actor step has no validation set (a value > 0 is
     refused at start-up); ``--eval-interval`` gets a default because Megatron-LM's sample count
     divides by it even when nothing is evaluated."""
-    from .args import add_pg_agg_args
 
     add_pg_agg_args(parser)
     group = parser.add_argument_group("policy-gradient data (megatron_pg_agg)")
     group.add_argument("--pg-rollouts", default=None, metavar="FILE",
-                       help="rollout JSON Lines (README: schema); default: the built-in synthetic set")
+                       help="rollout JSON Lines (docs/rollout-format.md); default: the built-in synthetic set")
     group.add_argument("--pg-metrics-file", default=None, metavar="FILE",
                        help="append one JSON record per iteration (rank 0)")
     group.add_argument("--megatron-lm", default=None, metavar="PATH",
@@ -144,7 +158,8 @@ def startup_problems(args, *, cuda: bool) -> list:
             (args.transformer_impl != "local", "--transformer-impl local (Transformer Engine needs CUDA)"),
             (args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
             (not args.no_persist_layer_norm, "--no-persist-layer-norm"),
-            (args.bf16 or args.fp16, "no --bf16/--fp16 (megatron-core's mixed-precision optimizer wraps CUDA tensors only)"),
+            (args.bf16 or args.fp16,
+             "no --bf16/--fp16 (megatron-core's mixed-precision optimizer wraps CUDA tensors only)"),
             (args.context_parallel_size > 1, "--context-parallel-size 1 (CP attention needs Transformer Engine)"),
             (args.sequence_parallel, "no --sequence-parallel (the local spec's torch norms refuse it)"),
         ]
@@ -161,8 +176,8 @@ def startup_problems(args, *, cuda: bool) -> list:
 class PlannedMicrobatch:
     """One item of the data iterator: a THD microbatch and its step's host totals."""
 
-    microbatch: "object"  # planner.Microbatch
-    totals: "object"  # losses.StepTotals
+    microbatch: Microbatch
+    totals: StepTotals
     iteration: int
     """0-based iteration (optimizer step) the microbatch belongs to."""
 
@@ -185,8 +200,6 @@ class RolloutFeed:
 
     def plan(self, iteration: int):
         """The plan of ``iteration`` (each rollout step is planned once and kept)."""
-        from megatron_pg_agg.data.planner import plan_step
-
         key = self.step_key(iteration)
         if key not in self._plans:
             plan = plan_step(self.steps[key], self.loss_cfg, self.plan_cfg, cp_rank=self.cp_rank)
@@ -197,8 +210,6 @@ class RolloutFeed:
 
     def problems(self) -> list:
         """Plan every step once (vocabulary, capacity, microbatch count), listing each failure."""
-        from megatron_pg_agg.data.rollouts import PlanError
-
         found = []
         for i, key in enumerate(self.keys):
             try:
@@ -217,32 +228,6 @@ class RolloutFeed:
             iteration += 1
 
 
-def load_steps(data, loss_cfg, *, vocab_size: Optional[int], seed: int) -> dict:
-    """``{step: RolloutBatch}`` from ``data.rollouts`` (``--pg-rollouts``; format errors:
-    StartupError) or the built-in synthetic set (vocabulary ``--vocab-size``, seeded by ``--seed``).
-    ``data``: :class:`~megatron_pg_agg.training.run_config.DataConfig`; ``loss_cfg``: the run's
-    ``PGLossConfig`` (a KL penalty makes reference log-probs mandatory)."""
-    from megatron_pg_agg.data.rollouts import PlanError, RolloutBatch
-
-    if data.rollouts is None:
-        from megatron_pg_agg.data.synthetic import synthetic_rollouts
-
-        if vocab_size is None:
-            raise StartupError("the built-in synthetic rollouts need --vocab-size (or pass --pg-rollouts FILE)")
-        steps = synthetic_rollouts(vocab_size=vocab_size, seed=seed)
-    else:
-        from megatron_pg_agg.data.rollout_files import RolloutFormatError, load_rollouts
-
-        try:
-            steps = load_rollouts(data.rollouts, require_ref=loss_cfg.needs_reference)
-        except RolloutFormatError as err:
-            raise StartupError(str(err)) from err
-    try:
-        return {key: RolloutBatch.from_rollouts(rollouts) for key, rollouts in steps.items()}
-    except PlanError as err:
-        raise StartupError(str(err)) from err
-
-
 # ----------------------------------------------------------------------------- the actor
 
 
@@ -252,9 +237,11 @@ class Actor:
     Built on every rank before ``pretrain()``; the data feed is built when Megatron-LM asks for
     data (after the model, the optimizer and ``--load``), so it starts at the loaded iteration."""
 
-    def __init__(self, args, steps: dict, *, cuda: bool, loss_cfg):
+    def __init__(self, args, steps: dict, *, cuda: bool, loss_cfg: PGLossConfig, data: DataConfig):
         self.loss_cfg = loss_cfg
         """The run's ``PGLossConfig`` (built once in :func:`run`)."""
+        self.data = data
+        """The run's data config: the rollouts' source and the microbatch capacity (``--seq-length``)."""
         self.steps, self.cuda = steps, cuda
         self.feed: Optional[RolloutFeed] = None
         self.metrics_path = args.pg_metrics_file
@@ -269,7 +256,6 @@ class Actor:
         """Megatron-LM's own ``model_provider(gpt_builder, ...)``. ``config`` and
         ``pg_collection`` are passed by name where it takes them (core_v0.16+); core_v0.15's
         ``get_model`` never gives them."""
-        import inspect
 
         from gpt_builders import gpt_builder
         from model_provider import model_provider
@@ -299,34 +285,24 @@ class Actor:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
 
-        from megatron_pg_agg.data.planner import PlanConfig
-
         args = get_args()
-        pp = args.pipeline_model_parallel_size
-        plan_cfg = PlanConfig(
-            dp_size=mpu.get_data_parallel_world_size(),
-            num_microbatches=get_num_microbatches(),
-            tp_size=args.tensor_model_parallel_size,
-            sequence_parallel=args.sequence_parallel,
-            cp_size=args.context_parallel_size,
-            vocab_size=args.padded_vocab_size,
-            microbatch_tokens=args.seq_length if pp > 1 else None,
-            max_tokens_per_microbatch=args.seq_length,
-        )
+        plan_cfg = self.data.plan_config(
+            dp_size=mpu.get_data_parallel_world_size(), tp_size=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel, cp_size=args.context_parallel_size,
+            num_microbatches=get_num_microbatches(), vocab_size=args.padded_vocab_size,
+            microbatch_tokens=args.seq_length if args.pipeline_model_parallel_size > 1 else None)
         feed = RolloutFeed(self.steps, self.loss_cfg, plan_cfg, dp_rank=mpu.get_data_parallel_rank(),
                            cp_rank=mpu.get_context_parallel_rank(), pin=self.cuda)
         problems = feed.problems()
         if problems:
             raise StartupError(
-                "refusing to start: the rollouts do not fit Megatron-LM's flags (padded vocabulary "
+                "the rollouts do not fit Megatron-LM's flags (padded vocabulary "
                 f"{args.padded_vocab_size}, {plan_cfg.num_microbatches} microbatches of at most "
                 f"{args.seq_length} tokens per DP rank):\n- " + "\n- ".join(problems))
-        from megatron_pg_agg.data.planner import policy_loss_notes
-
         for note in policy_loss_notes(self.steps, self.loss_cfg):
-            _say(f"note: {note}")
+            logger.info(f"note: {note}")
         if mpu.get_data_parallel_rank() == 0 and args.rank == 0:
-            _say(f"{len(feed.keys)} rollout steps, mode={self.loss_cfg.canonical_mode}, "
+            logger.info(f"{len(feed.keys)} rollout steps, mode={self.loss_cfg.mode}, "
                  f"{plan_cfg.num_microbatches} microbatches x DP {plan_cfg.dp_size} per step, "
                  f"starting at iteration {args.iteration} (rollout step {feed.step_key(args.iteration)})")
         return feed
@@ -334,7 +310,6 @@ class Actor:
     def forward_step(self, data_iterator, model):
         """Megatron-LM forward step: the next planned microbatch through the model, and the
         per-token loss function with that step's host totals."""
-        from functools import partial
 
         from megatron.core import parallel_state as mpu
 
@@ -366,30 +341,26 @@ class Actor:
         try:
             check_megatron_config(get_model_config(model), getattr(model, "ddp_config", None))
         except MegatronConfigError as err:
-            raise StartupError(f"refusing to start: {err}") from err
+            raise StartupError(str(err)) from err
         self._checked_config = True
 
     def on_training_log(self, event) -> None:
         """Every rank, every iteration: share the step's reduced report from the last pipeline
         stage (one small broadcast), then rank 0 prints, appends JSON, and the rank holding
         Megatron-LM's TensorBoard writer writes scalars."""
-        import torch
-        import torch.distributed as dist
         from megatron.training import get_args, get_tensorboard_writer
 
-        from megatron_pg_agg.core.losses import REPORT_KEYS
-
         args = get_args()
+        # Megatron-LM reduced each [sum, count] pair and divided: loss_dict holds sum / count
         values = torch.tensor([float(event.loss_dict[k]) if k in event.loss_dict else math.nan
                                for k in REPORT_KEYS], dtype=torch.float64,
                               device="cuda" if self.cuda else "cpu")
         dist.broadcast(values, src=dist.get_world_size() - 1)
-        record = {"iteration": event.iteration}
-        for key, value in zip(REPORT_KEYS, values.tolist()):
-            record[key] = None if math.isnan(value) else value
-        totals = self.feed.plan(event.iteration - 1).totals
-        if record["objective"] is None and totals.pg_weight == 0:
-            record["objective"] = 0.0  # W = 0: J = 0 by the contract (the report pair is 0 / 0)
+        plan = self.feed.plan(event.iteration - 1)
+        totals = plan.totals
+        present = {k: (v, 1.0) for k, v in zip(REPORT_KEYS, values.tolist()) if not math.isnan(v)}  # NaN: not reported
+        record = {"iteration": event.iteration, **report_values(present, totals.pg_weight),
+                  **correction_values(plan.correction_stats)}
         record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens,
                       rollout_step=self.feed.step_key(event.iteration - 1), grad_norm=event.grad_norm,
                       learning_rate=event.learning_rate, skipped=bool(event.skipped_iter))
@@ -407,7 +378,7 @@ class Actor:
             shown = " | ".join(f"{k} {record[k]:.6g}" for k in
                                ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm")
                                if record.get(k) is not None)
-            _say(f"iteration {event.iteration}/{args.train_iters} | {shown}")
+            logger.info(f"iteration {event.iteration}/{args.train_iters} | {shown}")
         if self.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as f:
@@ -429,39 +400,33 @@ def _single_process_defaults() -> None:
 
 def run(argv: list) -> int:
     """Check, then hand the run to Megatron-LM's ``pretrain()``. Returns the exit status."""
-    import torch
 
     cuda = torch.cuda.is_available()
     if not cuda:  # Megatron-LM asserts it with TP > 1 on pre-Blackwell devices; no effect on CPU
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     root = find_checkout(argv)
     use_checkout(root)
-    from megatron_pg_agg.patches import apply_megatron_patches
-
-    from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 
     try:
         apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True)
         release = check_checkout()
     except (UnsupportedMegatronLM, RuntimeError) as err:
-        raise StartupError(f"refusing to start: {err}") from err
+        raise StartupError(str(err)) from err
     sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv
     args = _parse_args(release)
     problems = startup_problems(args, cuda=cuda)
     if problems:
-        raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+        raise StartupError(problems)
     if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
         apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
-    from .args import config_from_args
-    from .run_config import DataConfig
 
     # the loss and data configs as launch/train_actor.py builds them (the parser checked the loss)
     loss_cfg, data = config_from_args(args), DataConfig.from_megatron_lm_args(args)
-    steps = load_steps(data, loss_cfg, vocab_size=args.vocab_size, seed=args.seed)  # before any process group
+    # before any process group; token ids meet the padded vocabulary when each step is planned
+    steps = load_steps(data, loss_cfg, vocab_size=args.vocab_size, seed=args.seed, check_vocabulary=False)
     if not any(a == "--dataloader-type" or a.startswith("--dataloader-type=") for a in argv):
-        _say("--dataloader-type external (set: the planner feeds the microbatches)")
-    actor = Actor(args, steps, cuda=cuda, loss_cfg=loss_cfg)
-    from megatron_pg_agg.patches import megatron_lm_log
+        logger.info("--dataloader-type external (set: the planner feeds the microbatches)")
+    actor = Actor(args, steps, cuda=cuda, loss_cfg=loss_cfg, data=data)
 
     megatron_lm_log.add_observer(actor.on_training_log)
     try:
@@ -504,7 +469,6 @@ def _pretrain(release, args, actor) -> None:
     if not release.uses_config_container:
         pretrain(**providers, extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS)
         return
-    import warnings
 
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
@@ -516,15 +480,14 @@ def _pretrain(release, args, actor) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    from .worker_process import die_with_launcher, quiet_startup_noise, release_process_group
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    quiet_startup_noise(PG_PREFIX)
+    setup_logging(PG_PREFIX)
+    quiet_startup_noise()
     die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
     _single_process_defaults()
     try:
         return run(argv)
     except StartupError as err:
-        _say(str(err) if str(err).startswith("refusing") else f"refusing to start: {err}")
+        logger.error(str(err))
         release_process_group()  # some refusals come after pretrain() made the group
         return 2

@@ -3,9 +3,11 @@ TensorBoard."""
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 from typing import Optional
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -22,11 +24,11 @@ class MetricsLog:
             self.file = open(path, "a")
         if tensorboard_dir:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (optional)
 
                 self.tb = SummaryWriter(tensorboard_dir)
             except ImportError:
-                print("[train] tensorboard is not installed: --tensorboard-dir ignored", file=sys.stderr)
+                logger.warning("tensorboard is not installed: --tensorboard-dir ignored")
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -41,7 +43,7 @@ class MetricsLog:
             if record.get(k) is not None)
         moe = {k: v[0] / v[1] for k, v in record.items() if k.startswith("moe_") and isinstance(v, list) and v[1]}
         shown += "".join(f" {k}={v:.4g}" for k, v in moe.items())
-        print(f"[train] [{bar}] {it}/{self.total} {shown}", file=sys.stderr, flush=True)
+        logger.info(f"[{bar}] {it}/{self.total} {shown}")
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

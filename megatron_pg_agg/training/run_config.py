@@ -21,9 +21,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .args import add_pg_agg_args, config_from_args
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.planner import PlanConfig
+from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.versions import installed_megatron_core_version, release_problem
+
+from .args import add_pg_agg_args, config_from_args
 
 __all__ = [
     "CheckpointConfig",
@@ -46,7 +49,13 @@ DEFAULT_RUN_DIR = os.path.join("runs", "train_actor")
 
 
 class StartupError(ValueError):
-    """A run configuration refused before any process group or model is built (exit status 2)."""
+    """A run refused before its first step (exit status 2), by either entry. The message is
+    ``refusing to start:`` and the problem (a string), or every problem listed (a list)."""
+
+    def __init__(self, problems):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        listed = "".join(f"\n- {p}" for p in self.problems)
+        super().__init__("refusing to start:" + (f" {problems}" if isinstance(problems, str) else listed))
 
 
 # ----------------------------------------------------------------------------- flags
@@ -94,12 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--train-iters", type=int, default=20)
     train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--rollouts", default=None, help="rollout JSONL (README: schema); default: built-in synthetic set")
+    train.add_argument("--rollouts", default=None,
+                       help="rollout JSONL (docs/rollout-format.md); default: built-in synthetic set")
     train.add_argument("--save", default=None, help="checkpoint directory")
     train.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     train.add_argument("--load", default=None, help="resume from this checkpoint directory")
     train.add_argument("--metrics-file", default=None,
-                       help="per-step metrics JSONL (default: <save>/metrics.jsonl, else runs/train_actor/metrics.jsonl)")
+                       help="per-step metrics JSONL (default: <save>/metrics.jsonl, else "
+                            "runs/train_actor/metrics.jsonl)")
     train.add_argument("--tensorboard-dir", default=None, help="TensorBoard logs, if tensorboard is installed")
     train.add_argument("--log-interval", type=int, default=1)
     add_pg_agg_args(parser)
@@ -216,10 +227,25 @@ class DataConfig:
 
     @classmethod
     def from_megatron_lm_args(cls, namespace: argparse.Namespace) -> "DataConfig":
-        """From Megatron-LM's parsed flags (with ``megatron_lm.add_actor_args``): ``--pg-rollouts``.
-        The microbatches are Megatron-LM's (``--seq-length`` tokens at most, its microbatch
-        calculator's count), read when the data feed is built: both fields stay None."""
-        return cls(rollouts=namespace.pg_rollouts)
+        """From Megatron-LM's parsed flags (with ``megatron_lm.add_actor_args``): ``--pg-rollouts``,
+        and ``--seq-length`` as the capacity of a microbatch. The count is Megatron-LM's microbatch
+        calculator's, known once it is set up (``plan_config(num_microbatches=...)``)."""
+        return cls(rollouts=namespace.pg_rollouts, max_tokens_per_microbatch=namespace.seq_length)
+
+    def plan_config(self, *, dp_size: int, tp_size: int, sequence_parallel: bool, cp_size: int,
+                    num_microbatches: Optional[int] = None, microbatch_tokens: Optional[int] = None,
+                    uniform_microbatch_tokens: bool = False, vocab_size: Optional[int] = None) -> PlanConfig:
+        """How the planner cuts a step of these rollouts on a parallel layout: the one place both
+        entries build their :class:`~megatron_pg_agg.data.planner.PlanConfig`. ``num_microbatches``
+        overrides this config's count (Megatron-LM's calculator); ``microbatch_tokens`` pads every
+        microbatch to that length (Megatron-LM's fixed pipeline buffers); ``vocab_size`` has each
+        plan check the token ids (the Megatron-LM entry, whose padded vocabulary is known only
+        then, and which plans each rollout step once; the trainer checks them at start-up)."""
+        return PlanConfig(
+            dp_size=dp_size, tp_size=tp_size, sequence_parallel=sequence_parallel, cp_size=cp_size,
+            num_microbatches=self.num_microbatches if num_microbatches is None else num_microbatches,
+            max_tokens_per_microbatch=self.max_tokens_per_microbatch, microbatch_tokens=microbatch_tokens,
+            uniform_microbatch_tokens=uniform_microbatch_tokens, vocab_size=vocab_size)
 
 
 @dataclass(frozen=True)
@@ -300,7 +326,7 @@ class RunConfig:
         try:
             loss = config_from_args(ns)
         except ValueError as err:
-            raise StartupError("refusing to start:\n- " + str(err)) from err
+            raise StartupError([str(err)]) from err
         return cls(
             model=ModelConfig(
                 num_layers=ns.num_layers, hidden_size=ns.hidden_size,
@@ -341,12 +367,33 @@ class RunConfig:
         vpp = self.model.num_layers // self.parallel.pp // per_virtual
         return vpp if vpp > 1 else None
 
+    @property
+    def layout(self) -> ParallelSizes:
+        """The parallel layout (DP: what the world size leaves)."""
+        par = self.parallel
+        return ParallelSizes(tp=par.tp, pp=par.pp, vpp=self.virtual_pipeline_size, cp=par.cp)
+
+    @property
+    def uniform_microbatch_tokens(self) -> bool:
+        """Whether every microbatch of a step is padded to one token count: the interleaved
+        schedule needs it, and so does the allgather MoE dispatcher with PP or EP (it refuses
+        ``variable_seq_lengths``, and on gloo its EP all-gather needs one count on every rank)."""
+        allgather = self.model.moe.enabled and self.model.moe.token_dispatcher_type == "allgather"
+        return self.virtual_pipeline_size is not None or (allgather and (self.parallel.pp > 1 or self.parallel.ep > 1))
+
+    def plan_config(self, world_size: int) -> PlanConfig:
+        """The planner's config of this run on ``world_size`` ranks (the same on every rank)."""
+        par = self.parallel
+        return self.data.plan_config(dp_size=par.dp_size(world_size), tp_size=par.tp,
+                                     sequence_parallel=par.sequence_parallel, cp_size=par.cp,
+                                     uniform_microbatch_tokens=self.uniform_microbatch_tokens)
+
     def validate(self, world_size: int, *, backend: str, te: bool) -> None:
         """Refuse every invalid combination before any process group or model is built: one
         :class:`StartupError` listing every problem (:meth:`startup_problems`)."""
         problems = self.startup_problems(world_size, backend=backend, te=te)
         if problems:
-            raise StartupError("refusing to start:\n- " + "\n- ".join(problems))
+            raise StartupError(problems)
 
     def startup_problems(self, world_size: int, *, backend: str, te: bool) -> list:
         """Every reason to refuse the run on ``world_size`` ranks of ``backend`` (``te``: Transformer

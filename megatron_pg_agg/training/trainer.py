@@ -13,79 +13,65 @@ saved with every checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from megatron_pg_agg.core.losses import correction_values
+from megatron_pg_agg.data.planner import PlanConfig, padded_lengths, plan_step, policy_loss_notes, require_inputs
+from megatron_pg_agg.data.rollouts import PlanError
+from megatron_pg_agg.megatron.config_checks import check_megatron_config
+from megatron_pg_agg.megatron.model import (
+    build_model_chunks,
+    default_ddp_config,
+    te_usable,
+    transformer_config,
+    wrap_in_ddp,
+)
+from megatron_pg_agg.megatron.moe import router_loss_values
+from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, shutdown_distributed
+from megatron_pg_agg.megatron.step import StepGroups, StepResult, run_pg_step
+from megatron_pg_agg.patches import apply_megatron_patches
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from megatron_pg_agg.core.losses import REPORT_KEYS
-from megatron_pg_agg.megatron.config_checks import check_megatron_config
-from megatron_pg_agg.megatron.loss_func import make_forward_step, run_schedule
 from .metrics import MetricsLog
-from megatron_pg_agg.megatron.model import build_model_chunks, default_ddp_config, te_usable, transformer_config, wrap_in_ddp
-from megatron_pg_agg.megatron.moe import begin_moe_step, router_loss_pairs, router_loss_values
-from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, shutdown_distributed
-from megatron_pg_agg.patches import apply_megatron_patches
-from megatron_pg_agg.data.planner import PlanConfig, padded_lengths, plan_step, policy_loss_notes, require_inputs
-from megatron_pg_agg.data.rollout_files import RolloutFormatError, load_rollouts
-from megatron_pg_agg.data.rollouts import PlanError, RolloutBatch
+from .rollout_steps import load_steps
 from .run_config import RunConfig, StartupError
-from megatron_pg_agg.data.synthetic import synthetic_rollouts
 from .worker_process import die_with_launcher
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteStepError(RuntimeError):
     """A step produced a non-finite loss or gradient (and --pg-skip-nonfinite-steps is off)."""
 
 
-def load_steps(cfg: RunConfig) -> dict:
-    """``{step: [Rollout, ...]}`` from ``cfg.data.rollouts`` (format errors: StartupError) or the
-    built-in synthetic set (vocabulary ``cfg.model.vocab_size``, seeded by ``cfg.training.seed``)."""
-    vocab_size = cfg.model.vocab_size
-    if cfg.data.rollouts is None:
-        return synthetic_rollouts(vocab_size=vocab_size, seed=cfg.training.seed)
-
-    try:
-        return load_rollouts(cfg.data.rollouts, vocab_size=vocab_size, require_ref=cfg.loss.needs_reference)
-    except RolloutFormatError as err:
-        raise StartupError(f"refusing to start: {err}") from err
-
-
 def _check_steps(steps: dict, cfg: RunConfig, world: int) -> dict:
     """Every step must be plannable before the first update: a step that would fail at iteration
-    k must not let iterations 0..k-1 train first. Returns the steps packed as RolloutBatch."""
-
-    par, data, loss_cfg = cfg.parallel, cfg.data, cfg.loss
-    dp = par.dp_size(world)
-    plan_cfg = PlanConfig(dp_size=dp, max_tokens_per_microbatch=data.max_tokens_per_microbatch, tp_size=par.tp,
-                          sequence_parallel=par.sequence_parallel, cp_size=par.cp)
-    bins = dp * (data.num_microbatches or 1)  # one per DP rank at least (a token cap sets no count)
-    packed = {}
-    for key, rollouts in steps.items():
+    k must not let iterations 0..k-1 train first. ``steps``: ``{step: RolloutBatch}`` (checked and
+    packed once by :func:`~megatron_pg_agg.training.rollout_steps.load_steps`); returned as is."""
+    plan_cfg = cfg.plan_config(world)
+    bins = plan_cfg.dp_size * (cfg.data.num_microbatches or 1)  # one per DP rank at least
+    for key, batch in steps.items():
         try:
-            if not rollouts:
-                raise PlanError(f"step {key} has no rollouts")
-            # packed once: each iteration then plans from flat tensors (vectorised, fast)
-            packed[key] = RolloutBatch.from_rollouts(rollouts, vocab_size=cfg.model.vocab_size)
-            padded_lengths(packed[key], plan_cfg, step=key)
-            require_inputs(packed[key], loss_cfg)
-            if len(rollouts) < bins:
-                raise PlanError(f"step {key} has {len(rollouts)} responses, fewer than the {bins} "
-                                f"microbatches ({dp} DP ranks) it must fill")
+            padded_lengths(batch, plan_cfg)
+            require_inputs(batch, cfg.loss)
+            if len(batch) < bins:
+                raise PlanError(f"has {len(batch)} responses, fewer than the {bins} "
+                                f"microbatches ({plan_cfg.dp_size} DP ranks) it must fill")
         except PlanError as err:
-            where = "" if str(err).startswith("step ") else f"step {key}: "
-            raise StartupError(f"refusing to start: {where}{err}") from err
-    if int(os.environ.get("RANK", "0")) == 0:
-        for note in policy_loss_notes(packed, loss_cfg):
-            print(f"[train] note: {note}", file=sys.stderr, flush=True)
-    return packed
+            raise StartupError(f"step {key}: {err}") from err
+    for note in policy_loss_notes(steps, cfg.loss):
+        logger.info(f"note: {note}")
+    return steps
 
 
 @dataclass
@@ -126,13 +112,13 @@ class Session:
 
     cfg: RunConfig
     """The run's typed configuration, built once from the flags and validated."""
-    plan_cfg: object
-    """The ``PlanConfig``, built once from the config and the parallel sizes."""
+    plan_cfg: PlanConfig
+    """How each step is cut (:meth:`RunConfig.plan_config`), the same on every rank."""
     steps: dict
     """``{rollout step: RolloutBatch}``, checked before any process group."""
     model: list
     """This rank's model chunks (megatron-core DDP), one per virtual pipeline stage."""
-    optimizer: object
+    optimizer: MegatronOptimizer
     """megatron-core's optimizer over ``model``."""
     state: RunState
     """Iteration counter (the data position) and skipped-step count; saved with checkpoints."""
@@ -140,8 +126,10 @@ class Session:
     """Rank 0's metrics output (inactive elsewhere)."""
     rank: int
     """Global rank."""
-    device: object
+    device: Optional[torch.device]
     """``torch.device("cuda")`` on GPUs, None on CPU."""
+    groups: StepGroups
+    """The process groups a step uses (from megatron-core's parallel state)."""
 
     @property
     def experts(self) -> bool:
@@ -151,41 +139,45 @@ class Session:
 
 def setup(cfg: RunConfig) -> Session:
     """Checks (before any process group), patches, process groups, model, optimizer and resume."""
-
     die_with_launcher()
-
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world, backend=backend, te=te_usable())
-    loss_cfg, model_cfg, par, moe = cfg.loss, cfg.model, cfg.parallel, cfg.model.moe
-    steps = load_steps(cfg)  # rollouts are validated on the host before any process group
-    steps = _check_steps(steps, cfg, world)
-
-    experts = moe.enabled
-
+    steps = _check_steps(load_steps(cfg.data, cfg.loss, vocab_size=cfg.model.vocab_size, seed=cfg.training.seed),
+                         cfg, world)  # host checks, before any process group
+    par = cfg.parallel
     # cpu_gloo: CPU/gloo shim (MoE layers included); moe_aux_loss: router aux/z losses keep
     # Megatron's default strength under the per-token contract (patches/moe_aux_loss.py)
-    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=experts)
+    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled)
     init_distributed(backend=backend, timeout_s=par.distributed_timeout_minutes * 60)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank()
-
-    tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
-    vpp = cfg.virtual_pipeline_size
     # every group megatron creates (DP, TP, PP, ...) gets the timeout too, not only the default one
-    init_parallel(tp, pp, vpp, cp, seed=cfg.training.seed, ep=ep, timeout_minutes=par.distributed_timeout_minutes)
+    init_parallel(cfg.layout, seed=cfg.training.seed, ep=par.ep, timeout_minutes=par.distributed_timeout_minutes)
+    model, dtype = _build_model(cfg, cuda=cuda, backend=backend)
+    train_cfg = cfg.training
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                        clip_grad=train_cfg.clip_grad, bf16=cfg.model.bf16, params_dtype=dtype), model)
+    state = _resume(cfg.checkpoint.load, model, optimizer, rank)
+    log = MetricsLog(cfg.logging.metrics_file, cfg.logging.tensorboard_dir, train_cfg.train_iters,
+                     enabled=rank == 0)
+    _log_layout(cfg, world, backend, len(steps), state.iteration)
+    return Session(cfg=cfg, plan_cfg=cfg.plan_config(world), steps=steps, model=model, optimizer=optimizer,
+                   state=state, log=log, rank=rank, device=torch.device("cuda") if cuda else None,
+                   groups=StepGroups.from_parallel_state())
+
+
+def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
+    """This rank's model chunks in megatron-core DDP, with the config checked; ``(model, dtype)``."""
+    model_cfg, par, moe = cfg.model, cfg.parallel, cfg.model.moe
     dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
-    # the allgather dispatcher refuses variable_seq_lengths, and on gloo its EP all-gather needs
-    # one token count per microbatch on every rank: pad microbatches to one length there
-    allgather = experts and moe.token_dispatcher_type == "allgather"
-    uniform_tokens = vpp is not None or (allgather and (pp > 1 or ep > 1))
-    moe_kwargs = {} if not experts else dict(
+    moe_kwargs = {} if not moe.enabled else dict(
         num_moe_experts=moe.num_experts, moe_router_topk=moe.router_topk,
         moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
-        expert_model_parallel_size=ep, moe_token_dispatcher_type=moe.token_dispatcher_type,
+        expert_model_parallel_size=par.ep, moe_token_dispatcher_type=moe.token_dispatcher_type,
         # megatron-core 0.16's expert MLP cannot add a bias under autograd (check_megatron_config
         # says why): MoE models here have no linear biases, as most MoE LLMs
         add_bias_linear=False,
@@ -195,12 +187,12 @@ def setup(cfg: RunConfig) -> Session:
         num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
         ffn_hidden_size=model_cfg.ffn_hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size, context_parallel_size=par.cp,
         sequence_parallel=par.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=model_cfg.bf16,
         use_cpu_initialization=not cuda,
-        variable_seq_lengths=pp > 1 and not uniform_tokens,
+        variable_seq_lengths=par.pp > 1 and not cfg.uniform_microbatch_tokens,
         batch_p2p_comm=par.batch_p2p_comm,
         calculate_per_token_loss=par.calculate_per_token_loss,
         **moe_kwargs,
@@ -214,119 +206,84 @@ def setup(cfg: RunConfig) -> Session:
     model = wrap_in_ddp(chunks, config, ddp_config)
     config.finalize_model_grads_func = finalize_model_grads
     check_megatron_config(config, ddp_config, backend=backend)
-    train_cfg = cfg.training
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
-                        clip_grad=train_cfg.clip_grad, bf16=model_cfg.bf16, params_dtype=dtype), model)
+    return model, dtype
 
-    state = RunState()
-    load = cfg.checkpoint.load
-    if load:
-        loaded = load_checkpoint(load, model, optimizer, rank)
-        if loaded:
-            state = RunState(iteration=loaded["iteration"], skipped=loaded.get("skipped", 0))
-        elif rank == 0:
-            print(f"[train] --load {load}: no complete checkpoint yet (no 'latest'); starting "
-                  "from the initial weights", file=sys.stderr, flush=True)
-    log = MetricsLog(cfg.logging.metrics_file, cfg.logging.tensorboard_dir, train_cfg.train_iters,
-                     enabled=rank == 0)
-    if rank == 0:
-        print(f"[train] world={world} TP={tp} PP={pp}{f' (vpp={vpp})' if vpp else ''} CP={cp} "
+
+def _resume(load, model, optimizer, rank: int) -> RunState:
+    """The state ``--load`` holds (weights and optimizer restored in place), else a fresh one."""
+    if not load:
+        return RunState()
+    loaded = load_checkpoint(load, model, optimizer, rank)
+    if loaded:
+        return RunState(iteration=loaded["iteration"], skipped=loaded.get("skipped", 0))
+    logger.info(f"--load {load}: no complete checkpoint yet (no 'latest'); starting from the initial weights")
+    return RunState()
+
+
+def _log_layout(cfg: RunConfig, world: int, backend: str, num_steps: int, start: int) -> None:
+    par, moe, vpp = cfg.parallel, cfg.model.moe, cfg.virtual_pipeline_size
+    logger.info(f"world={world} TP={par.tp} PP={par.pp}{f' (vpp={vpp})' if vpp else ''} CP={par.cp} "
               f"DP={parallel_state.get_data_parallel_world_size()} backend={backend} "
-              f"mode={loss_cfg.canonical_mode} steps={len(steps)} start_iteration={state.iteration}"
-              + (f" experts={moe.num_experts} top{moe.router_topk} EP={ep} "
-                 f"dispatcher={moe.token_dispatcher_type}" if experts else ""),
-              file=sys.stderr, flush=True)
-    plan_cfg = PlanConfig(
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        num_microbatches=cfg.data.num_microbatches,
-        max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch,
-        tp_size=tp, sequence_parallel=par.sequence_parallel, cp_size=cp, vocab_size=model_cfg.vocab_size,
-        uniform_microbatch_tokens=uniform_tokens,
-    )
-    return Session(cfg=cfg, plan_cfg=plan_cfg, steps=steps, model=model, optimizer=optimizer, state=state,
-                   log=log, rank=rank, device=torch.device("cuda") if cuda else None)
+              f"mode={cfg.loss.mode} steps={num_steps} start_iteration={start}"
+              + (f" experts={moe.num_experts} top{moe.router_topk} EP={par.ep} "
+                 f"dispatcher={moe.token_dispatcher_type}" if moe.enabled else ""))
 
 
 def train_step(s: Session) -> dict:
-    """One optimizer step on rollout step ``iteration mod S``: plan -> schedule -> finalize ->
-    checks -> optimizer -> metrics. Returns the step's metrics record."""
-
-    cfg, state, model, device = s.cfg, s.state, s.model, s.device
+    """One optimizer step on rollout step ``iteration mod S``: plan -> forward-backward (the step
+    runner) -> checks -> optimizer -> metrics. Returns the step's metrics record."""
+    cfg, state, model = s.cfg, s.state, s.model
     step_keys = sorted(s.steps)
     key = step_keys[state.iteration % len(step_keys)]
     t0 = time.perf_counter()
     plan = plan_step(s.steps[key], cfg.loss, s.plan_cfg, cp_rank=parallel_state.get_context_parallel_rank())
-    mbs = plan.for_rank(parallel_state.get_data_parallel_rank())
-    for chunk in model:
-        chunk.zero_grad_buffer()
     s.optimizer.zero_grad()
-    if s.experts:  # the router losses' per-step factor W / M_total (host integers, no collective)
-        begin_moe_step(plan.totals.pg_weight, len(mbs), s.plan_cfg.dp_size)
-    forward_step = make_forward_step(cfg.loss, plan.totals, device=device,
-                                     tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                     cp_group=parallel_state.get_context_parallel_group())
-    store = run_schedule(model, mbs, forward_step)
-    # step-level reductions (never per microbatch): report pairs and a finiteness flag
-    pairs = torch.zeros(len(REPORT_KEYS), 2, dtype=torch.float64, device=device)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        for report in store:
-            for i, name in enumerate(REPORT_KEYS):
-                if name in report:
-                    pairs[i] += report[name].double()
-    dist.all_reduce(pairs, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    if s.experts:  # router aux/z losses as [sum, count] pairs over every rank (exact logging)
-        moe_pairs = router_loss_pairs(model, len(mbs), device=device)
-        dist.all_reduce(moe_pairs)
-    grads_finite = [torch.isfinite(p.main_grad).all() for chunk in model for p in chunk.parameters()
-                    if p.requires_grad and getattr(p, "main_grad", None) is not None]
-    finite = torch.stack([torch.isfinite(pairs).all(), *grads_finite]).all().double().reshape(1)
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one host sync per step, after the schedule
-    skipped = False
-    if finite.item() < 1:
-        if not cfg.training.skip_nonfinite_steps:
-            raise NonFiniteStepError(
-                f"iteration {state.iteration} (rollout step {key}): non-finite loss or gradient; "
-                "nothing was updated. Check the rollouts' advantages/log-probs, or pass "
-                "--pg-skip-nonfinite-steps to skip such steps.")
-        skipped = True
-        state.skipped += 1
-        grad_norm = float("nan")
-    elif plan.totals.pg_weight == 0:
-        # W = 0 (every response token masked): J = 0 and every gradient is 0 by the contract.
-        # Nothing to learn, so no optimizer step (Adam's momentum would still move the weights
-        # and advance its step count); the logged grad_norm is 0 exactly when every gradient is.
-        grad_norm = _grad_square_sum(model, device) ** 0.5
-    else:
-        ok, grad_norm, _ = s.optimizer.step()
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        if not ok:  # the optimizer refused the update (a mixed-precision loss scaler found inf)
-            skipped = True
-            state.skipped += 1
+    result = run_pg_step(model, plan, cfg.loss, s.groups, dp_rank=parallel_state.get_data_parallel_rank(),
+                         experts=s.experts, device=s.device)
+    skipped, grad_norm = _optimizer_step(s, result, plan.totals.pg_weight, key)
     state.iteration += 1
     elapsed = time.perf_counter() - t0
-    # only the last pipeline stage fills the report pairs: share them for logging
-    pairs_all = pairs.clone()
-    if cfg.parallel.pp > 1:
-        dist.broadcast(pairs_all, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-    values = {name: float(pairs_all[i, 0] / pairs_all[i, 1]) if pairs_all[i, 1] > 0 else None
-              for i, name in enumerate(REPORT_KEYS)}
-    values["objective"] = values["objective"] or 0.0  # W = 0: J = 0 by the contract
     record = {
         "iteration": state.iteration, "rollout_step": key,
-        "objective": values["objective"], "pg_loss": values["pg_loss"],
-        "weight": plan.totals.pg_weight, "valid_tokens": plan.totals.valid_tokens,
-        "clip_fraction": values["clip_fraction"], "ratio": values["ratio"],
-        "kl": values["kl"], "entropy": values["entropy"], "grad_norm": grad_norm,
+        **result.values(plan.totals.pg_weight), **correction_values(plan.correction_stats),
+        "weight": plan.totals.pg_weight, "valid_tokens": plan.totals.valid_tokens, "grad_norm": grad_norm,
         "tokens_per_s": plan.stats["tokens"] / elapsed, "step_s": elapsed,
         "microbatches": plan.stats["microbatches_per_rank"],
         "microbatch_balance": plan.stats["microbatch_balance"],
         "skipped": skipped, "skipped_total": state.skipped,
     }
     if s.experts:
-        record.update(router_loss_values(moe_pairs))
+        record.update(router_loss_values(result.router_pairs))
     return record
+
+
+def _optimizer_step(s: Session, result: StepResult, pg_weight: int, key) -> tuple:
+    """The update after a step's forward-backward: ``(skipped, grad_norm)``.
+
+    A non-finite loss or gradient on any rank skips the step (``--pg-skip-nonfinite-steps``) or
+    raises NonFiniteStepError; a ``W = 0`` step has every gradient 0 and makes no update (Adam's
+    momentum would still move the weights); the optimizer may refuse an update itself (a
+    mixed-precision loss scaler found inf)."""
+    grads_finite = [torch.isfinite(p.main_grad).all() for chunk in s.model for p in chunk.parameters()
+                    if p.requires_grad and getattr(p, "main_grad", None) is not None]
+    finite = torch.stack([torch.isfinite(result.pairs).all(), *grads_finite]).all().double().reshape(1)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one host sync per step, after the schedule
+    if finite.item() < 1:
+        if not s.cfg.training.skip_nonfinite_steps:
+            raise NonFiniteStepError(
+                f"iteration {s.state.iteration} (rollout step {key}): non-finite loss or gradient; "
+                "nothing was updated. Check the rollouts' advantages/log-probs, or pass "
+                "--pg-skip-nonfinite-steps to skip such steps.")
+        s.state.skipped += 1
+        return True, float("nan")
+    if pg_weight == 0:
+        # J = 0 and every gradient is 0 by the contract: the logged grad_norm is 0 exactly when
+        # every gradient is
+        return False, _grad_square_sum(s.model, s.device) ** 0.5
+    ok, grad_norm, _ = s.optimizer.step()
+    if not ok:
+        s.state.skipped += 1
+    return not ok, float(grad_norm) if grad_norm is not None else float("nan")
 
 
 def close(s: Session, record: dict) -> dict:
@@ -342,8 +299,8 @@ def close(s: Session, record: dict) -> dict:
         if s.log.file:
             s.log.file.write(json.dumps({"final": True, "iteration": state.iteration,
                                          "param_checksum": checksum, "skipped_total": state.skipped}) + "\n")
-        print(f"[train] done: {state.iteration} iterations, objective={record.get('objective', float('nan')):.6g}, "
-              f"param_checksum={checksum:.10g}, skipped={state.skipped}", file=sys.stderr, flush=True)
+        logger.info(f"done: {state.iteration} iterations, objective={record.get('objective', float('nan')):.6g}, "
+                    f"param_checksum={checksum:.10g}, skipped={state.skipped}")
     s.log.close()
     shutdown_distributed()
     return record

@@ -1,13 +1,20 @@
 """Process-level settings of the project's torchrun workers (both entry points use them)."""
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron_pg_agg.versions import distribution_version, in_range
+
+logger = logging.getLogger(__name__)
 
 
 def die_with_launcher() -> None:
@@ -16,9 +23,6 @@ def die_with_launcher() -> None:
     holding GPUs) forever."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import ctypes
-    import signal
-
     parent = os.getppid()
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -36,7 +40,8 @@ def release_process_group() -> None:
     """
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        from megatron_pg_agg.megatron.parallel import shutdown_distributed
+        # megatron-core only where a process group exists (it is loaded by then)
+        from megatron_pg_agg.megatron.parallel import shutdown_distributed  # noqa: PLC0415
 
         shutdown_distributed()
 
@@ -52,8 +57,6 @@ def keep_freed_memory() -> None:
     """
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 1 << 30)
@@ -116,20 +119,14 @@ class _DropMessages(logging.Filter):
 def active_noise(installed: Optional[str], te: bool) -> list:
     """The entries of :data:`KNOWN_NOISE` for megatron-core ``installed`` (None: unknown, only
     the release-independent ones) with or without Transformer Engine."""
-    from megatron_pg_agg.versions import in_range
-
     return [n for n in KNOWN_NOISE if (not n.cpu_fallback or not te)
             and (n.releases is None or (installed is not None and in_range(installed, n.releases)))]
 
 
-def quiet_startup_noise(prefix: str) -> None:
+def quiet_startup_noise() -> None:
     """Silence exactly :data:`KNOWN_NOISE` for the installed release (warnings by message and
     category, log records by logger and message; every other message still shows) and say in
     one line, on rank 0, which fallbacks are in use. Call before importing megatron.core."""
-    import importlib.util
-
-    from megatron_pg_agg.versions import distribution_version
-
     te = importlib.util.find_spec("transformer_engine") is not None
     installed = distribution_version()  # importing megatron.core would emit the warnings now
     by_logger: dict = {}
@@ -140,7 +137,6 @@ def quiet_startup_noise(prefix: str) -> None:
             by_logger.setdefault(noise.logger, []).append(noise.message)
     for name, patterns in by_logger.items():
         logging.getLogger(name).addFilter(_DropMessages(patterns))
-    if not te and os.environ.get("RANK", "0") == "0":
-        print(f"{prefix} no Transformer Engine or apex: megatron-core falls back to torch norms, torch "
-              "optimizers and local multi-tensor kernels (its warnings about them are silenced)",
-              file=sys.stderr, flush=True)
+    if not te:
+        logger.info("no Transformer Engine or apex: megatron-core falls back to torch norms, torch "
+                    "optimizers and local multi-tensor kernels (its warnings about them are silenced)")

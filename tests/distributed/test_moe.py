@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from tests.support.launching import ROOT, run, torchrun, worker
 from megatron_pg_agg import patches
 from megatron_pg_agg.patches import _machinery, moe_aux_loss
+from tests.support.launching import ROOT, run, torchrun, worker
 
 WORKER = worker("moe_worker")
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
@@ -261,8 +261,7 @@ def test_trainer_trains_a_moe_actor_and_logs_router_losses_as_pairs(tmp_path):
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], ["not divisible by EP x TP"]),
 ])
 def test_trainer_refuses_bad_moe_flags_before_starting(argv, words):
-    from megatron_pg_agg.training.run_config import RunConfig
-    from megatron_pg_agg.training.run_config import StartupError, build_parser
+    from megatron_pg_agg.training.run_config import RunConfig, StartupError, build_parser
 
     cfg = RunConfig.from_args(build_parser().parse_args(argv))
     with pytest.raises(StartupError) as err:

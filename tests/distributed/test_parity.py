@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from megatron_pg_agg.parity import (DEFAULT_CASES, GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES,
-                                    find_markdown_table)
+from megatron_pg_agg.parity import DEFAULT_CASES, GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, find_markdown_table
 from tests.support.launching import ROOT, child_env
 from tests.support.parity_tables import table_mismatches
 

@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from tests.support.launching import ROOT, child_env, finish, kill_launch, run, start, torchrun, worker
-from megatron_pg_agg.data.rollouts import Rollout
 from megatron_pg_agg.data.rollout_files import write_rollouts
+from megatron_pg_agg.data.rollouts import Rollout
 from megatron_pg_agg.data.synthetic import synthetic_rollouts
 from megatron_pg_agg.training.run_config import RunConfig, StartupError, build_parser
+from tests.support.launching import ROOT, child_env, finish, kill_launch, run, start, torchrun, worker
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 TIMING = {"tokens_per_s", "step_s"}
@@ -63,7 +63,7 @@ def test_a_sequence_longer_than_the_microbatch_capacity_is_named(tmp_path):
     step, index = min(key for key, n in lengths.items() if n > cap)
     rc, out, _ = _one_process(["--max-tokens-per-microbatch", cap])
     assert rc == 2, out[-3000:]
-    assert f"step {step}, rollout {index} (group '{steps[step][index].group_id}')" in out
+    assert f"step {step}: rollout {index} (group '{steps[step][index].group_id}')" in out
     assert f"do not fit a microbatch of {cap} tokens" in out and "max_tokens_per_microbatch" in out
 
 

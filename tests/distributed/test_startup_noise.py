@@ -6,10 +6,10 @@ import subprocess
 import sys
 import warnings
 
-from tests.support.launching import ROOT, child_env
-
-from megatron_pg_agg.versions import installed_megatron_core_version
+from megatron_pg_agg.training.logs import setup_logging
 from megatron_pg_agg.training.worker_process import KNOWN_NOISE, active_noise, quiet_startup_noise
+from megatron_pg_agg.versions import installed_megatron_core_version
+from tests.support.launching import ROOT, child_env
 
 WARNING_WORDS = ("Warning:", "WARNING", "DEPRECATED", "warnings.warn")
 
@@ -19,15 +19,18 @@ def test_only_the_known_messages_of_this_release_are_silenced(capsys):
     active = active_noise(installed, te=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        quiet_startup_noise("[test]")
-        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
-        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
-        warnings.warn("Apex is not installed. Falling back to Torch Norm", DeprecationWarning)  # other category
-        warnings.warn("something else entirely", UserWarning)
+        setup_logging("[test]")
+        quiet_startup_noise()
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning, stacklevel=1)
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                      UserWarning, stacklevel=1)
+        # the same message in another category
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", DeprecationWarning, stacklevel=1)
+        warnings.warn("something else entirely", UserWarning, stacklevel=1)
     assert [(w.category, str(w.message)) for w in seen] == [
         (DeprecationWarning, "Apex is not installed. Falling back to Torch Norm"),
         (UserWarning, "something else entirely")]
-    assert "no Transformer Engine or apex" in capsys.readouterr().err
+    assert "[test] no Transformer Engine or apex" in capsys.readouterr().err
     for noise in (n for n in active if n.category is None):
         logger = logging.getLogger(noise.logger)
         records = []
@@ -80,8 +83,8 @@ def test_a_training_run_prints_no_warning_on_this_release(tmp_path):
     env = child_env()
     env.pop("PYTHONWARNINGS")
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--train-iters", "1",
-                          "--metrics-file", str(tmp_path / "m.jsonl")], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=180)
+                          "--metrics-file", str(tmp_path / "m.jsonl")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[train] done: 1 iterations" in out.stderr, out.stderr[-3000:]
     _shows_no_warning(out.stderr)

@@ -124,3 +124,41 @@ def test_the_trainer_refuses_a_correction_without_rollout_logprobs(tmp_path):
                       "token_mask", "--pg-rollout-correction-max", "0.5", "--pg-rollout-correction-min", "0.8"],
                      120, "refused bounds", env=child_env())
     assert rc == 2 and "C > c" in out, out[-3000:]
+
+
+def test_the_record_carries_the_step_correction_counts_of_an_independent_reference(tmp_path):
+    """token_truncate: the first record's correction_truncated / correction_weight equal float64
+    sums written here from the rollouts (truncated share of valid tokens, mean min(exp(old -
+    rollout), C) over numerator tokens). Catches the planner's step statistics or the record's
+    conversion (a missing key, a count from the wrong mask, per-rank instead of step sums)."""
+    import math
+
+    from megatron_pg_agg.data.rollout_files import write_rollouts
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+
+    cap = 1.02
+    steps = synthetic_rollouts(vocab_size=128, seed=1234)
+    for rollouts in steps.values():
+        for i, r in enumerate(rollouts):
+            r.rollout_logprobs = [lp - 0.03 * ((i + j) % 3) for j, lp in enumerate(r.old_logprobs)]
+    path = write_rollouts(tmp_path / "steps.jsonl", steps)
+    metrics = tmp_path / "m.jsonl"
+    rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", 1, "--metrics-file", metrics, "--rollouts", path,
+                              "--pg-rollout-correction", "token_truncate", "--pg-rollout-correction-max", cap),
+                     300, "correction counts")
+    assert rc == 0, out[-20000:]
+    record = _records(metrics)[0][0]
+    valid = truncated = numerator = 0
+    weight_sum = 0.0
+    for r in steps[record["rollout_step"]]:
+        for j, d in enumerate(r.loss_mask):
+            n = d if r.numerator_mask is None else r.numerator_mask[j] * d
+            ratio = math.exp(r.old_logprobs[j] - r.rollout_logprobs[j])
+            valid += d
+            truncated += int(bool(d) and ratio > cap)
+            numerator += n
+            weight_sum += min(ratio, cap) if n else 0.0
+    assert truncated > 0  # the case is exercised
+    assert record["correction_truncated"] == pytest.approx(truncated / valid, rel=1e-9)
+    assert record["correction_masked"] == 0.0
+    assert record["correction_weight"] == pytest.approx(weight_sum / numerator, rel=1e-5)  # float32 inputs

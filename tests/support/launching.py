@@ -93,4 +93,5 @@ def worker_rows(name: str, nproc: int, out, timeout_s: float):
 
 
 def torchrun(nproc: int, *args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            *map(str, args)]

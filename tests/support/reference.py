@@ -1,6 +1,6 @@
 """An independent, slow reference of the aggregation contract, and random ragged steps.
 
-Written from ../shared/notes/aggregation.md with Python loops in float64, sharing no code with
+Written from the contract (README.md, "The contract") with Python loops in float64, sharing no code with
 the library, so a bug in the library's vectorised index arithmetic cannot hide here.
 """
 from __future__ import annotations

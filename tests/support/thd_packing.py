@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from torch import Tensor
-
 from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
 
 __all__ = ["PackedBatch", "next_token_targets", "pack_sequences"]
 

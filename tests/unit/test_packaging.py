@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _setup_call_keyword(name: str):
     tree = ast.parse((ROOT / "setup.py").read_text())
-    call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    call = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
     return ast.literal_eval(next(k.value for k in call.keywords if k.arg == name))
 
 

@@ -22,7 +22,17 @@ from functools import partial
 
 def main() -> None:
     checkout, out_path = sys.argv[1], sys.argv[2]
-    flags = sys.argv[sys.argv.index("--") + 1:]
+    net, args = _load_model(checkout, sys.argv[sys.argv.index("--") + 1:])
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+
+    rollouts = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)[0]
+    with open(out_path, "w") as f:
+        json.dump(_objectives(_per_token_terms(net, rollouts, args), args), f)
+
+
+def _load_model(checkout: str, flags: list):
+    """Megatron-LM's own model at the checkpoint the flags' ``--load`` names, one CPU process;
+    returns ``(model, Megatron-LM's args)``."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       CUDA_DEVICE_MAX_CONNECTIONS="1")
     from megatron_pg_agg.megatron.parallel import free_port
@@ -35,7 +45,6 @@ def main() -> None:
     apply_megatron_patches(cpu_gloo=True, megatron_lm_cpu=True)
     release = check_checkout()
 
-    import torch
     from gpt_builders import gpt_builder
     from megatron.training import get_args
     from megatron.training.checkpointing import load_checkpoint
@@ -43,9 +52,8 @@ def main() -> None:
     from megatron.training.training import get_model
     from model_provider import model_provider
 
-    from megatron_pg_agg.training.megatron_lm import ARGS_DEFAULTS, add_actor_args
     from megatron_pg_agg.megatron.thd_attention import use_thd_core_attention
-    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from megatron_pg_agg.training.megatron_lm import ARGS_DEFAULTS, add_actor_args
 
     sys.argv = [sys.argv[0], *flags]
     if release.uses_config_container:  # core_v0.18+: the flags are parsed before initialisation
@@ -55,20 +63,22 @@ def main() -> None:
         initialize_megatron(allow_no_cuda=True)
     else:
         initialize_megatron(extra_args_provider=add_actor_args, args_defaults=ARGS_DEFAULTS, allow_no_cuda=True)
-    args = get_args()
     model = get_model(partial(model_provider, gpt_builder), wrap_with_ddp=False)
     load_checkpoint(model, None, None)
     net = model[0]
     use_thd_core_attention(net)  # no packed params here: it passes an explicit causal mask
     net.eval()
+    return net, get_args()
+
+
+def _per_token_terms(net, rollouts, args) -> list:
+    """Per response: ``(group, [(n, d, pg, kl, entropy) per response token])``, each term in float64
+    Python from one unpacked forward pass of the response."""
+    import torch
 
     eps_low = args.pg_clip_eps
     eps_high = args.pg_clip_eps_high if args.pg_clip_eps_high is not None else eps_low
-    kl_coef, ent_coef = args.pg_kl_coef, args.pg_entropy_coef
-    divisor = args.pg_loss_aggregation_divisor  # the flags name constant mode and its divisor
-    rollouts = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)[0]
-
-    seqs = []  # per response: (group, [(n, d, pg, kl, entropy) per response token])
+    seqs = []
     with torch.no_grad():
         for r in rollouts:
             ids = list(r.prompt_ids) + list(r.response_ids)
@@ -89,7 +99,13 @@ def main() -> None:
                 entropy = -float((row.exp() * row).sum())
                 per_token.append((n, d, pg, kl, entropy))
             seqs.append((r.group_id, per_token))
+    return seqs
 
+
+def _objectives(seqs: list, args) -> dict:
+    """J in every mode from the per-token terms (the contract's formulas, written out)."""
+    kl_coef, ent_coef = args.pg_kl_coef, args.pg_entropy_coef
+    divisor = args.pg_loss_aggregation_divisor  # the flags name constant mode and its divisor
     tokens_d = sum(d for _, ts in seqs for _, d, _, _, _ in ts)
     extra = (kl_coef * sum(kl for _, ts in seqs for _, d, _, kl, _ in ts if d)
              - ent_coef * sum(h for _, ts in seqs for _, d, _, _, h in ts if d)) / tokens_d
@@ -102,15 +118,13 @@ def main() -> None:
         acc[1] += den
     active_seqs = [num / den for num, den in seq_units if den > 0]
     active_groups = [num / den for num, den in groups.values() if den > 0]
-    result = {
+    return {
         "token_mean": numerator / tokens_d + extra,
         "seq_mean": sum(active_seqs) / len(active_seqs) + extra,
         "prompt_mean": sum(active_groups) / len(active_groups) + extra,
         "constant": numerator / (len(active_seqs) * divisor) + extra,
         "sequences": len(seqs), "groups": len(groups),
     }
-    with open(out_path, "w") as f:
-        json.dump(result, f)
 
 
 if __name__ == "__main__":

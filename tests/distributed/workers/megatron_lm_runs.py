@@ -6,8 +6,9 @@ RUNS.json is a list of ``{"name": ..., "argv": [...]}``; each run goes through t
 own ``main(argv)`` (the same function ``launch/pretrain_actor.py`` exits with), then Megatron-LM's
 ``destroy_global_state()`` resets its globals for the next run (the process group stays after a
 run that trained, as in Megatron-LM's in-process restart; a refusal destroys it, like the real
-script's exit does, and the next run's Megatron-LM initialisation makes a new one). Importing megatron.training costs ~10 s per process on this
-machine; a run after that costs ~2-4 s. Rank 0 writes ``{name: exit status}`` to RESULT.json.
+script's exit does, and the next run's Megatron-LM initialisation makes a new one). Importing
+megatron.training costs ~10 s per process on a 2-core CPU; a run after that costs ~2-4 s. Rank 0
+writes ``{name: exit status}`` to RESULT.json.
 """
 from __future__ import annotations
 

@@ -38,14 +38,15 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
 from megatron_pg_agg.core.losses import PGLossConfig  # noqa: E402
+from megatron_pg_agg.data.planner import PlanConfig, plan_step  # noqa: E402
 from megatron_pg_agg.megatron.config_checks import check_megatron_config  # noqa: E402
-from megatron_pg_agg.megatron.loss_func import make_forward_step, run_schedule  # noqa: E402
+from megatron_pg_agg.megatron.layout import ParallelSizes  # noqa: E402
 from megatron_pg_agg.megatron.model import build_model_chunks, default_ddp_config, wrap_in_ddp  # noqa: E402
-from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
 from megatron_pg_agg.megatron.moe import begin_moe_step, clear_moe_aux_loss_scale, router_loss_pairs  # noqa: E402
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
+from megatron_pg_agg.megatron.step import StepGroups, run_pg_step  # noqa: E402
 from megatron_pg_agg.parity import VOCAB, parity_rollouts  # noqa: E402
-from megatron_pg_agg.data.planner import PlanConfig, plan_step  # noqa: E402
+from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
 
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 AUX_COEFF, Z_COEFF = 0.01, 1e-3
@@ -82,7 +83,7 @@ class Setup:
     """One layout: the per-token model (patched contract) and a default-averaging twin."""
 
     def __init__(self, tp, pp, ep, sp, dispatcher, num_mb):
-        init_parallel(tp, pp, None, 1, ep=ep)
+        init_parallel(ParallelSizes(tp=tp, pp=pp), ep=ep)
         self.tp, self.pp, self.ep, self.sp, self.num_mb = tp, pp, ep, sp, num_mb
         self.dp = parallel_state.get_data_parallel_world_size()
         self.uniform = dispatcher == "allgather" and (ep > 1 or pp > 1)
@@ -123,17 +124,18 @@ class Setup:
             dp_size=self.dp, num_microbatches=self.num_mb, tp_size=self.tp, sequence_parallel=self.sp,
             vocab_size=VOCAB, uniform_microbatch_tokens=self.uniform))
         mbs = plan.for_rank(parallel_state.get_data_parallel_rank())
-        if per_token and patched:
-            begin_moe_step(plan.totals.pg_weight, len(mbs), self.dp)
-        else:
-            clear_moe_aux_loss_scale()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        run_schedule(model, mbs, make_forward_step(cfg, plan.totals,
-                                                   tp_group=parallel_state.get_tensor_model_parallel_group()))
+        # the project's step (the factor W / M_total set, router pairs reduced) when the patch
+        # and the per-token contract are on; otherwise Megatron's own strength, factor cleared
+        scaled = per_token and patched
         clear_moe_aux_loss_scale()
-        pairs = router_loss_pairs([c.module for c in model], len(mbs))
-        dist.all_reduce(pairs)
+        result = run_pg_step(model, plan, cfg, StepGroups.from_parallel_state(),
+                             dp_rank=parallel_state.get_data_parallel_rank(), experts=scaled)
+        clear_moe_aux_loss_scale()
+        if scaled:
+            pairs = result.router_pairs
+        else:
+            pairs = router_loss_pairs([c.module for c in model], len(mbs))
+            dist.all_reduce(pairs)
         grads = {name: p.main_grad.detach().clone() for c in model for name, p in c.module.named_parameters()}
         return {"grads": grads, "pairs": pairs, "weight": plan.totals.pg_weight,
                 "tokens": [mb.num_tokens for mb in mbs], "microbatches": len(mbs),
@@ -208,10 +210,10 @@ def check_layout(name: str) -> dict:
 def hot_path_trace() -> dict:
     """A router forward + backward and the patched set_loss_scale, traced with the patch active
     and a step factor set (1 rank)."""
-    from tests.support.op_trace import OpTrace  # the project's trace (syncs, data-dependent shapes)
-
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.moe.router import TopKRouter
+
+    from tests.support.op_trace import OpTrace  # the project's trace (syncs, data-dependent shapes)
 
     s = Setup(1, 1, 1, False, "alltoall", 1)
     chunk = s.models[True][0].module

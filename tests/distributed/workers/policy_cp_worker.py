@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_pg_agg.core.losses import PGLossConfig
-from megatron_pg_agg.megatron.loss_func import pg_loss_func
-from megatron_pg_agg.parity.models import PerTokenLM
 from megatron_pg_agg.data.planner import PlanConfig, plan_step
 from megatron_pg_agg.data.rollouts import Rollout
+from megatron_pg_agg.megatron.loss_func import pg_loss_func
+from megatron_pg_agg.parity.models import PerTokenLM
 
 VOCAB = 32
 MODES = {"seq_mean": {}, "token_mean": {}, "prompt_mean": {}, "constant": {"divisor": 16.0}}
@@ -108,7 +108,8 @@ def main() -> None:
             for g in grads:
                 dist.all_reduce(g)
             objective = float(totals[0] / totals[1])
-            grad_err = max(float((g - r).abs().max() / r.abs().max().clamp(min=1e-12)) for g, r in zip(grads, ref_grads))
+            grad_err = max(float((g - r).abs().max() / r.abs().max().clamp(min=1e-12))
+                           for g, r in zip(grads, ref_grads))
             row = dict(policy=policy, mode=mode, reference=float(ref_loss / ref_count), objective=objective,
                        grad_relerr=grad_err, microbatches=len(sharded.for_rank(0)), calls=calls,
                        weight=int(totals[1]), reference_weight=int(ref_count))

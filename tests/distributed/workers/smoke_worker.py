@@ -21,12 +21,13 @@ apply_megatron_patches()  # before any model is built
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron_pg_agg.megatron.loss_func import run_schedule  # noqa: E402
 
+from megatron_pg_agg.megatron.layout import ParallelSizes  # noqa: E402
+from megatron_pg_agg.megatron.loss_func import run_schedule  # noqa: E402
 from megatron_pg_agg.megatron.model import build_model_chunks, wrap_in_ddp  # noqa: E402
+from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 from megatron_pg_agg.parity.models import tiny_transformer_config  # noqa: E402
 from tests.support.thd_packing import next_token_targets, pack_sequences  # noqa: E402
-from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel  # noqa: E402
 
 VOCAB = 64
 MAX_SEQ_LEN = 64
@@ -66,7 +67,7 @@ def forward_step(data_iterator, model):
 
 
 def run_layout(tp: int, pp: int, vpp) -> str:
-    layout = init_parallel(tp, pp, vpp)
+    layout = init_parallel(ParallelSizes(tp=tp, pp=pp, vpp=vpp))
     # variable pack lengths, except in the interleaved schedule, whose shape exchange deadlocks
     # on gloo (see patches/cpu_gloo.py): fixed-length packs there
     fixed = vpp is not None

@@ -24,18 +24,19 @@ def main() -> None:
     from megatron_pg_agg.patches import apply_megatron_patches
 
     apply_megatron_patches(cpu_gloo=True)
-    from megatron_pg_agg.training.args import config_from_args
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from megatron_pg_agg.megatron.layout import ParallelSizes
     from megatron_pg_agg.megatron.model import build_model_chunks, transformer_config
     from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
     from megatron_pg_agg.parity import step_objective
-    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from megatron_pg_agg.training.args import config_from_args
     from megatron_pg_agg.training.run_config import build_parser
 
     args = build_parser().parse_args(flags)
     if args.rollouts or args.num_experts or args.tensor_model_parallel_size != 1:
         raise SystemExit("the reference covers the built-in rollouts and a dense model")
     init_distributed()
-    init_parallel(1, 1, seed=args.seed)
+    init_parallel(ParallelSizes(), seed=args.seed)
     config = transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,

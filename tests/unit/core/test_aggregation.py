@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
-
 from tests.support.reference import reference_objective
 
 # The AReaL PR's public fixture and its hand-computed objectives.
@@ -112,7 +111,8 @@ def test_nan_and_inf_at_masked_positions_never_leak(mode):
     _, weight, kw = EXPECTED[mode]
     mask = torch.tensor(MASK).bool()
     clean = torch.tensor(LOSS, dtype=torch.float32, requires_grad=True)
-    poisoned_values = torch.where(mask, clean.detach(), torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")]))
+    poison = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")])
+    poisoned_values = torch.where(mask, clean.detach(), poison)
     poisoned = poisoned_values.clone().requires_grad_(True)
     m1, _ = aggregate(clean, mask, mode=mode, **kw)
     m2, _ = aggregate(poisoned, mask, mode=mode, **kw)

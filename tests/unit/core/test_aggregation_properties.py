@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pg_agg import aggregate, token_weights, weighted_sum
-
 from tests.support.reference import MODE_KWARGS, random_step, reference_objective
 
 MODES = list(MODE_KWARGS)

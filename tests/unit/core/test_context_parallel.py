@@ -35,8 +35,6 @@ def _rollouts(lengths):
     per position so any reordering shows, masks and filtered tokens, two prompt groups."""
     import random
 
-    
-
     from megatron_pg_agg.data.rollouts import Rollout
 
     rng = random.Random(5)
@@ -99,12 +97,12 @@ def test_cp_shards_of_planned_microbatches_reassemble_to_the_original_token_orde
             assert all(mb.cu_seqlens_padded.tolist() == cu and mb.sequence_ids == contiguous.sequence_ids
                        for mb in mbs)
             got = {name: _reassemble([getattr(mb, name).reshape(-1) for mb in mbs], cu, cp) for name in FIELDS}
-            got["coef"] = _reassemble([mb.weights.coef for mb in mbs], cu, cp)
-            got["count"] = _reassemble([mb.weights.count for mb in mbs], cu, cp)
+            got["coef"] = _reassemble([mb.token_weights.coef for mb in mbs], cu, cp)
+            got["count"] = _reassemble([mb.token_weights.count for mb in mbs], cu, cp)
             for name in FIELDS:
                 assert torch.equal(got[name], getattr(contiguous, name).reshape(-1)), (cp, dp_rank, m, name)
-            assert torch.equal(got["coef"], contiguous.weights.coef)
-            assert torch.equal(got["count"], contiguous.weights.count)
+            assert torch.equal(got["coef"], contiguous.token_weights.coef)
+            assert torch.equal(got["count"], contiguous.token_weights.count)
             # and against the rollouts themselves, position by position
             for k, s in enumerate(contiguous.sequence_ids):
                 r = rollouts[s]

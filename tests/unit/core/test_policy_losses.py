@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_pg_agg import token_weights
-from megatron_pg_agg.core.losses import PGLossConfig, SequenceStatistic, pg_loss_sum
+from megatron_pg_agg.core.losses import LossPart, PGLossConfig, SequenceStatistic, StepTotals, pg_loss_sum
 from megatron_pg_agg.core.modes import MODES
-from megatron_pg_agg.data.planner import PlanConfig, StepTotals, plan_step
+from megatron_pg_agg.data.planner import PlanConfig, plan_step
 from megatron_pg_agg.data.rollouts import Rollout
 
 POLICIES = ("ppo", "gspo", "gmpo", "cispo")
@@ -32,20 +32,21 @@ def _step(seed: int):
             length = rng.randint(2, 9)
             adv = rng.uniform(-1, 1)
             tokens = []
-            for t in range(length):
+            for _ in range(length):
                 d = 0 if (g == 1 and k == 0) else int(rng.random() > 0.15)  # group 1: no valid token
                 n = d if rng.random() > 0.2 else 0
                 old = -rng.uniform(0.5, 3.0)
                 logp = old + rng.uniform(-0.4, 0.4)
                 a = adv if g % 2 == 0 else rng.uniform(-1, 1)
-                tokens.append(dict(logp=logp, old=old, adv=a, n=n, d=d, rollout=min(old + rng.uniform(-1.0, 1.0), -0.01)))
+                rollout = min(old + rng.uniform(-1.0, 1.0), -0.01)
+                tokens.append(dict(logp=logp, old=old, adv=a, n=n, d=d, rollout=rollout))
             seqs.append(tokens)
             groups.append(g)
     return seqs, groups
 
 
 def _reference_token_losses(seq, policy, logp):
-    """float64 per-token losses of one sequence (list of tensors), from the issue's formulas."""
+    """float64 per-token losses of one sequence (list of tensors), from the formulas of docs/policy-losses.md."""
     n_i = sum(t["n"] for t in seq)
     out = []
     x = [logp[j] - seq[j]["old"] for j in range(len(seq))]
@@ -126,10 +127,10 @@ def _library(seqs, groups, mode, policy, parts, divisor=8.0):
         idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in part])
         local_cu = torch.tensor([0, *torch.tensor([lengths[i] for i in part]).cumsum(0).tolist()])
         seq_n = torch.tensor([float(sum(t["n"] for t in seqs[i])) for i in part])
-        loss, count, report = pg_loss_sum(
-            logp[idx], old_logprobs=field["old"][idx], advantages=field["adv"][idx],
-            numerator_mask=n[idx], denominator_mask=d[idx], weights=weights[idx], totals=totals, cfg=cfg,
-            sequences=SequenceStatistic(local_cu, seq_n, idx.numel()))
+        part_inputs = LossPart(old_logprobs=field["old"][idx], advantages=field["adv"][idx],
+                               numerator_mask=n[idx], denominator_mask=d[idx], token_weights=weights[idx])
+        loss, count, report = pg_loss_sum(logp[idx], part_inputs, totals, cfg,
+                                          sequences=SequenceStatistic(local_cu, seq_n, idx.numel()))
         loss_total = loss_total + loss
         count_total += int(count)
     objective = loss_total / count_total
@@ -200,7 +201,7 @@ def _rollouts(seed: int):
 
 
 def _reference_correction(seqs, kind, cap, floor):
-    """Per sequence: (weights, numerator) from delta_t = old - rollout, as the issue states, and
+    """Per sequence: (weights, numerator) from delta_t = old - rollout, as docs/policy-losses.md states, and
     the counts of valid tokens masked and truncated."""
     weights, numerators, masked, truncated = [], [], 0, 0
     for seq in seqs:
@@ -235,21 +236,18 @@ def test_rollout_corrections_match_the_reference_through_the_planner(kind):
     plan = plan_step(rollouts, cfg, PlanConfig(dp_size=2, num_microbatches=2))
     ref_w, ref_n, ref_masked, ref_truncated = _reference_correction(seqs, kind, cap, floor)
     got_w, got_n, got_d = {}, {}, {}
-    masked = truncated = valid = 0
-    weight_sum = weight_count = 0.0
+    stats = plan.correction_stats
+    masked, valid = stats["correction_masked"]
+    truncated, valid_too = stats["correction_truncated"]
+    weight_sum, weight_count = stats["correction_weight"]
+    assert valid_too == valid
     for rank in plan.microbatches:
         for mb in rank:
-            report = mb.correction_report
-            masked += float(report["correction_masked"][0])
-            truncated += float(report["correction_truncated"][0])
-            valid += float(report["correction_masked"][1])
-            weight_sum += float(report["correction_weight"][0])
-            weight_count += float(report["correction_weight"][1])
             for k, seq_id in enumerate(mb.sequence_ids):
                 start, end = int(mb.cu_seqlens_padded[k]), int(mb.cu_seqlens[k + 1] - mb.cu_seqlens[k])
                 prompt = len(rollouts[seq_id].prompt_ids)
                 span = slice(start + prompt - 1, start + end - 1)  # positions scoring the response
-                got_w[seq_id] = mb.pg_weights[span].tolist()
+                got_w[seq_id] = mb.correction_weights[span].tolist()
                 got_n[seq_id] = mb.numerator_mask[span].int().tolist()
                 got_d[seq_id] = mb.denominator_mask[span].int().tolist()
     for i, seq in enumerate(seqs):
@@ -274,11 +272,7 @@ def test_rollout_corrections_match_the_reference_through_the_planner(kind):
                 start, end = int(mb.cu_seqlens_padded[k]), int(mb.cu_seqlens[k + 1] - mb.cu_seqlens[k])
                 prompt = len(rollouts[seq_id].prompt_ids)
                 logp[start + prompt - 1:start + end - 1] = torch.tensor([t["logp"] for t in seqs[seq_id]])
-            loss, count, report = pg_loss_sum(
-                logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, numerator_mask=mb.numerator_mask,
-                denominator_mask=mb.denominator_mask, weights=mb.weights, totals=plan.totals, cfg=cfg,
-                pg_weights=mb.pg_weights, extra_report=mb.correction_report)
-            assert set(report) >= {"correction_masked", "correction_truncated", "correction_weight"}
+            loss, count, report = pg_loss_sum(logp, mb, plan.totals, cfg)
             total_loss += float(loss)
             total_count += int(count)
     assert total_loss / total_count == pytest.approx(float(ref), rel=1e-5)
@@ -298,11 +292,8 @@ def test_correction_weights_leave_kl_and_entropy_alone():
     for kind, plan in plans.items():
         mb = plan.microbatches[0][0]
         logp = mb.old_logprobs.clone()
-        loss, count, _ = pg_loss_sum(logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                                     numerator_mask=mb.numerator_mask, denominator_mask=mb.denominator_mask,
-                                     weights=mb.weights, totals=plan.totals,
-                                     cfg=PGLossConfig(**base, rollout_correction=kind, rollout_correction_max=1.2),
-                                     ref_logprobs=mb.ref_logprobs, pg_weights=mb.pg_weights)
+        loss, count, _ = pg_loss_sum(logp, mb, plan.totals,
+                                     PGLossConfig(**base, rollout_correction=kind, rollout_correction_max=1.2))
         values[kind] = float(loss) / int(count)
     assert values["token_truncate"] == pytest.approx(values[None], rel=1e-6) and values[None] > 0
 

@@ -10,8 +10,7 @@ import torch
 
 from megatron_pg_agg.core.losses import PGLossConfig, pg_loss_sum, vocab_parallel_logprobs
 from megatron_pg_agg.data.planner import PlanConfig, plan_step
-from megatron_pg_agg.data.rollouts import PlanError, Rollout
-
+from megatron_pg_agg.data.rollouts import PlanError, Rollout, RolloutBatch
 from tests.support.reference import reference_objective
 from tests.support.rollouts import VOCAB, fixed_step
 
@@ -61,7 +60,7 @@ def _reference_J(rollouts, table, cfg):
                 ent_sum += float(-(probs * logp_all[p + j - 1]).sum())
         lengths.append(len(r.response_ids))
     J, W = reference_objective(torch.tensor(losses, dtype=torch.float64), num, den, lengths, groups,
-                               cfg.canonical_mode, cfg.divisor)
+                               cfg.mode, cfg.divisor)
     D = sum(den)
     J = float(J)
     if W:
@@ -89,11 +88,7 @@ def _planned_J(rollouts, table, cfg, plan_cfg):
                     full = full[cp_partition_index(
                         [b - a for a, b in zip(pads[:-1], pads[1:])], plan_cfg.cp_size, cp_rank)]
                 logp, ent = vocab_parallel_logprobs(full, mb.labels[0], with_entropy=cfg.needs_entropy)
-                loss, c, report = pg_loss_sum(
-                    logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                    numerator_mask=mb.numerator_mask, denominator_mask=mb.denominator_mask,
-                    weights=mb.weights, totals=plan.totals, cfg=cfg, ref_logprobs=mb.ref_logprobs,
-                    entropy=ent)
+                loss, c, report = pg_loss_sum(logp, mb, plan.totals, cfg, entropy=ent)
                 assert c.dtype == torch.int32
                 sums += float(loss)
                 count += int(c)
@@ -187,10 +182,69 @@ def test_capacity_and_empty_bins_are_refused_clearly():
     with pytest.raises(PlanError, match="no rollouts"):
         plan_step([], cfg, PlanConfig())
     bad = Rollout([1, 2], [3, 4], [1, 1], [0.5], [-1.0, -1.0], group_id=0)
-    with pytest.raises(PlanError, match="advantages has 1 entries"):
+    with pytest.raises(PlanError, match="^rollout 0: advantages has 1 entries but response_ids has 2") as excinfo:
         plan_step([bad], cfg, PlanConfig())
+    assert (excinfo.value.rollout, excinfo.value.field) == (0, "advantages")
     with pytest.raises(PlanError, match="ref_logprobs is missing"):
         plan_step(fixed_step(with_ref=False), PGLossConfig(kl_coef=0.1), PlanConfig())
+
+
+def _with_rollout_logprobs():
+    rollouts = fixed_step()
+    for r in rollouts:
+        r.rollout_logprobs = [min(lp + 0.3 * ((j % 3) - 1), 0.0) for j, lp in enumerate(r.old_logprobs)]
+    return rollouts
+
+
+CORRECTED = PGLossConfig(mode="seq_mean", kl_coef=0.1, rollout_correction="token_mask",
+                         rollout_correction_max=1.2, rollout_correction_min=0.8)
+
+
+@pytest.mark.parametrize("cfg", [PGLossConfig(kl_coef=0.1), CORRECTED], ids=["plain", "rollout_correction"])
+def test_the_planner_does_not_recheck_a_rollout_batch(monkeypatch, cfg):
+    """A RolloutBatch checks itself once, when built; planning it (twice here, as the trainer
+    plans every iteration) must add 0 checker calls. Catches ``batch.validate(...)``, a re-built
+    ``RolloutBatch(...)`` or ``dataclasses.replace(batch, numerator_mask=...)`` (which re-runs
+    ``__post_init__``: the rollout-correction case) put back in ``checked_batch``."""
+    calls = {"structure": 0, "values": 0}
+    for name, key in (("_check_structure", "structure"), ("_check_values", "values")):
+        original = getattr(RolloutBatch, name)
+
+        def counted(self, _original=original, _key=key):
+            calls[_key] += 1
+            return _original(self)
+
+        monkeypatch.setattr(RolloutBatch, name, counted)
+    batch = RolloutBatch.from_rollouts(_with_rollout_logprobs(), vocab_size=VOCAB)
+    assert calls == {"structure": 1, "values": 1}  # checked where it was built
+    plans = [plan_step(batch, cfg, PlanConfig(dp_size=2, num_microbatches=2)) for _ in range(2)]
+    assert calls == {"structure": 1, "values": 1}, "the planner re-checked a RolloutBatch"
+    assert plans[0].totals == plans[1].totals
+    if cfg.rollout_correction:  # the correction narrowed the plan's numerator, not the batch's
+        planned = sum(int(mb.numerator_mask.sum()) for row in plans[0].microbatches for mb in row)
+        assert planned < int(batch.numerator_mask.sum())
+    plan_step(_with_rollout_logprobs(), cfg, PlanConfig())  # a list of Rollout is packed and checked
+    assert calls == {"structure": 2, "values": 2}
+
+
+def test_a_batch_changed_after_construction_is_planned_as_it_is():
+    """The planner trusts a RolloutBatch: a value changed in place after construction is planned
+    unchecked (the change shows in the microbatch). Catches a value re-check put back in
+    ``checked_batch``, which would refuse this plan; token ids are still checked against
+    ``PlanConfig.vocab_size`` (the vocabulary is known there), naming rollout, field and position."""
+    rollouts = fixed_step()
+    batch = RolloutBatch.from_rollouts(rollouts)
+    i = next(i for i, r in enumerate(rollouts) if i > 0 and sum(r.loss_mask))
+    j = list(rollouts[i].loss_mask).index(1)
+    batch.old_logprobs[int(batch.response_lengths[:i].sum()) + j] = 0.5  # refused at construction
+    plan = plan_step(batch, PGLossConfig(), PlanConfig())
+    assert any(bool((mb.old_logprobs == 0.5).any()) for row in plan.microbatches for mb in row)
+    batch.response_tokens[int(batch.response_lengths[:i].sum()) + j] = VOCAB
+    plan_step(batch, PGLossConfig(), PlanConfig())  # no vocabulary: nothing to check it against
+    words = rf"^rollout {i}: response_ids\[{j}\]={VOCAB} is outside the vocabulary"
+    with pytest.raises(PlanError, match=words) as excinfo:
+        plan_step(batch, PGLossConfig(), PlanConfig(vocab_size=VOCAB))
+    assert (excinfo.value.rollout, excinfo.value.field, excinfo.value.position) == (i, "response_ids", j)
 
 
 def test_vocab_parallel_logprobs_single_rank_matches_log_softmax():
@@ -214,4 +268,4 @@ def test_loss_config_refuses_bad_combinations():
         PGLossConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="kl_estimator"):
         PGLossConfig(kl_estimator="k9")
-    assert PGLossConfig(mode="dr_grpo", divisor=8).canonical_mode == "constant"
+    assert PGLossConfig(mode="dr_grpo", divisor=8).mode == "constant"

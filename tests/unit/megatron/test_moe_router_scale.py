@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.megatron.model import build_model_chunks
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
 from megatron_pg_agg.parity.models import tiny_transformer_config
@@ -37,7 +38,7 @@ def router():
     newly_applied = apply_megatron_patches()
     owns_group = not dist.is_initialized()
     init_distributed()
-    init_parallel(tp=1, pp=1)
+    init_parallel(ParallelSizes())
     config = tiny_transformer_config(num_layers=1, num_moe_experts=4, moe_router_topk=2,
                                      moe_aux_loss_coeff=0.01, add_bias_linear=False,
                                      calculate_per_token_loss=True)

@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.megatron.model import build_gpt, gpt_layer_spec
-from megatron_pg_agg.parity.models import tiny_transformer_config
-from tests.support.thd_packing import next_token_targets, pack_sequences
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
-from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patches
 from megatron_pg_agg.megatron.thd_attention import ThdDotProductAttention, packed_attention_mask
+from megatron_pg_agg.parity.models import tiny_transformer_config
+from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patches
+from tests.support.thd_packing import next_token_targets, pack_sequences
 
 VOCAB = 64
 LENGTHS = (5, 11, 3)
@@ -31,7 +31,7 @@ def single_rank():
     newly_applied = apply_megatron_patches()
     owns_group = not dist.is_initialized()
     init_distributed()  # 1 rank, free port
-    init_parallel(tp=1, pp=1)
+    init_parallel(ParallelSizes())
     yield
     teardown_parallel()
     if owns_group:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from megatron_pg_agg.parity import DEFAULT_CASES, MODES, POLICY_LOSSES, loss_config, markdown_table, parity_rollouts
 from megatron_pg_agg.data.planner import PlanConfig, plan_step
+from megatron_pg_agg.parity import DEFAULT_CASES, MODES, POLICY_LOSSES, loss_config, markdown_table, parity_rollouts
 from tests.support.parity_tables import table_mismatches
 
 
@@ -22,7 +22,7 @@ def test_the_parity_step_really_splits_groups_and_has_unequal_microbatches():
     assert any(len({r for r, _ in v}) > 1 for v in where.values()), "no group spans two DP ranks"
     assert any(len({m for r, m in v if r == rank}) > 1 for v in where.values() for rank in (0, 1)), \
         "no group spans two microbatches of one DP rank"
-    counts = [int(mb.weights.count.sum()) for mbs in plan.microbatches for mb in mbs]
+    counts = [int(mb.token_weights.count.sum()) for mbs in plan.microbatches for mb in mbs]
     tokens = [t for row in plan.bin_tokens for t in row]
     assert len(set(counts)) > 1 and len(set(tokens)) > 1
     # one response has no valid token and some tokens are filtered from the numerator only
@@ -69,7 +69,7 @@ def _library_objective(forward_logits, rollouts, cfg):
         kl_rows.append(torch.nn.functional.pad(kl, pad))
         ent_rows.append(torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), pad))
         num[row, :n], den[row, :n] = nm, d
-    j_pg, weight = aggregate(torch.stack(pg_rows), num, denominator_mask=den, mode=cfg.canonical_mode,
+    j_pg, weight = aggregate(torch.stack(pg_rows), num, denominator_mask=den, mode=cfg.mode,
                              divisor=cfg.divisor, group_sizes=group_sizes)
     valid = int(den.sum())
     if int(weight) == 0:

@@ -164,7 +164,7 @@ def test_a_megatron_lm_release_with_another_pretrain_is_refused(monkeypatch, ori
     patches.revert_megatron_patches()
 
     def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                 process_non_loss_data_func=None, args_defaults={}, store=None):
+                 process_non_loss_data_func=None, args_defaults={}, store=None):  # noqa: B006  (Megatron-LM's own)
         raise AssertionError("never called")
 
     monkeypatch.setattr(training, "pretrain", pretrain)
@@ -179,7 +179,7 @@ def test_a_megatron_lm_release_with_another_pretrain_is_refused(monkeypatch, ori
 
 def test_pretrain_signature_check_names_the_supported_tags():
     def core_v0_16(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                   process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
+                   process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},  # noqa: B006
                    get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
                    store=None, inprocess_call_wrapper=None):
         pass
@@ -190,7 +190,7 @@ def test_pretrain_signature_check_names_the_supported_tags():
         check_pretrain_signature(core_v0_16, (0, 18))  # 0.18 takes a config container
 
     def renamed(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                process_non_loss_data_func=None, extra_args=None, args_defaults={},
+                process_non_loss_data_func=None, extra_args=None, args_defaults={},  # noqa: B006
                 get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
                 store=None, inprocess_call_wrapper=None):
         pass

@@ -198,6 +198,7 @@ def test_ddp_grad_sync_runs_on_cpu_on_this_release():
     device on a CUDA build)."""
     import torch.distributed as dist
 
+    from megatron_pg_agg.megatron.layout import ParallelSizes
     from megatron_pg_agg.megatron.model import build_model_chunks, wrap_in_ddp
     from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
     from megatron_pg_agg.parity.models import tiny_transformer_config
@@ -209,7 +210,7 @@ def test_ddp_grad_sync_runs_on_cpu_on_this_release():
     assert stream.wait_event(object()) is None
     owns_group = not dist.is_initialized()
     init_distributed()
-    init_parallel(tp=1, pp=1)
+    init_parallel(ParallelSizes())
     try:
         config = tiny_transformer_config(num_layers=1)
         chunks = wrap_in_ddp(build_model_chunks(config, 64, 32, share_embeddings_and_output_weights=False), config)

@@ -23,8 +23,9 @@ def test_adds_flags_with_defaults_and_leaves_existing_flags_alone():
     for dest, default in before.items():
         assert getattr(args, dest, default) == default
     cfg = config_from_args(args)
-    assert cfg.canonical_mode == "token_mean" and cfg.divisor is None
-    assert (cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip, cfg.kl_coef, cfg.entropy_coef) == (0.2, 0.2, None, 0.0, 0.0)
+    assert cfg.mode == "token_mean" and cfg.divisor is None
+    got = (cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip, cfg.kl_coef, cfg.entropy_coef)
+    assert got == (0.2, 0.2, None, 0.0, 0.0)
 
 
 def test_every_mode_and_alias_parses_to_a_typed_config():
@@ -34,11 +35,11 @@ def test_every_mode_and_alias_parses_to_a_typed_config():
                               "--pg-kl-coef", "0.01", "--pg-kl-estimator", "k1", "--pg-entropy-coef", "0.001",
                               "--lr", "1e-6"])
     cfg = config_from_args(args)
-    assert (cfg.canonical_mode, cfg.divisor, cfg.clip_eps_high, cfg.dual_clip, cfg.kl_estimator) == (
+    assert (cfg.mode, cfg.divisor, cfg.clip_eps_high, cfg.dual_clip, cfg.kl_estimator) == (
         "constant", 4096.0, 0.28, 3.0, "k1")
     assert args.lr == 1e-6
     for alias, mode in (("seq-mean-token-mean", "seq_mean"), ("dapo", "token_mean"), ("grpo", "seq_mean")):
-        assert config_from_args(parser.parse_args(["--pg-loss-aggregation", alias])).canonical_mode == mode
+        assert config_from_args(parser.parse_args(["--pg-loss-aggregation", alias])).mode == mode
     assert config_from_args(parser.parse_args(["--pg-loss-aggregation", "seq-mean-token-sum"])).divisor == 1.0
 
 

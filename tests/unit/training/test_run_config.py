@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
-from megatron_pg_agg.training import run_config
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.training import run_config
 from megatron_pg_agg.training.run_config import (
     DataConfig,
     RunConfig,
@@ -58,7 +58,7 @@ def test_flags_land_in_their_fields():
     assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == ("ck", 5)
     assert cfg.logging.metrics_file == os.path.join("ck", "metrics.jsonl")
     assert cfg.training.lr == 0.5 and cfg.training.skip_nonfinite_steps
-    assert (cfg.loss.canonical_mode, cfg.loss.divisor, cfg.loss.kl_coef) == ("constant", 64.0, 0.1)
+    assert (cfg.loss.mode, cfg.loss.divisor, cfg.loss.kl_coef) == ("constant", 64.0, 0.1)
     assert not cfg.parallel.calculate_per_token_loss
 
 
@@ -111,7 +111,7 @@ def test_megatron_lm_data_config_reads_its_own_flag():
     import argparse
 
     data = DataConfig.from_megatron_lm_args(argparse.Namespace(pg_rollouts="r.jsonl", seq_length=4096))
-    assert data == DataConfig(rollouts="r.jsonl")
+    assert data == DataConfig(rollouts="r.jsonl", max_tokens_per_microbatch=4096)  # --seq-length caps a microbatch
 
 
 def _config_classes(root=RunConfig):
