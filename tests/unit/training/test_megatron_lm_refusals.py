@@ -1,0 +1,75 @@
+"""The Megatron-LM entry's start-up refusals (``startup_problems``, a pure function of the parsed
+flags), one test per refusal: a valid CPU flag set is accepted, and each single change is refused
+with one problem that names the flag to use. Each case would catch its check deleted, inverted,
+or reading another flag; the baseline catches a check that refuses valid flags."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_pg_agg.training.megatron_lm import startup_problems
+
+VALID_CPU = dict(
+    calculate_per_token_loss=True, dataloader_type="external", micro_batch_size=1, eval_iters=0,
+    train_iters=10, ddp_average_in_collective=False, mtp_num_layers=None, pg_skip_nonfinite_steps=False,
+    pg_rollouts=None, distributed_backend="gloo", transformer_impl="local", gradient_accumulation_fusion=False,
+    no_persist_layer_norm=True, bf16=False, fp16=False, context_parallel_size=1, sequence_parallel=False,
+)
+
+
+def _problems(cuda=False, **changes):
+    return startup_problems(argparse.Namespace(**{**VALID_CPU, **changes}), cuda=cuda)
+
+
+def test_valid_flags_are_accepted_on_cpu_and_gpu():
+    assert _problems() == []
+    assert _problems(cuda=True, distributed_backend="nccl", transformer_impl="transformer_engine",
+                     gradient_accumulation_fusion=True, no_persist_layer_norm=False, bf16=True,
+                     context_parallel_size=2, sequence_parallel=True) == []
+    assert _problems(dataloader_type=None) == []  # unset: the entry sets external
+
+
+@pytest.mark.parametrize("changes,needles", [
+    (dict(calculate_per_token_loss=False), ["--calculate-per-token-loss is missing"]),
+    (dict(dataloader_type="single"), ["--dataloader-type single", "external"]),
+    (dict(micro_batch_size=2), ["--micro-batch-size 2", "--micro-batch-size 1"]),
+    (dict(eval_iters=5), ["--eval-iters 5", "--eval-iters 0"]),
+    (dict(train_iters=None), ["--train-iters is required"]),
+    (dict(ddp_average_in_collective=True), ["--ddp-average-in-collective"]),
+    (dict(mtp_num_layers=1), ["--mtp-num-layers"]),
+    (dict(pg_skip_nonfinite_steps=True), ["--pg-skip-nonfinite-steps", "--check-for-nan-in-loss-and-grad"]),
+    (dict(pg_rollouts="/nonexistent/rollouts.jsonl"), ["--pg-rollouts /nonexistent/rollouts.jsonl: no such file"]),
+])
+def test_each_refusal_alone(changes, needles):
+    problems = _problems(**changes)
+    assert len(problems) == 1, problems
+    for needle in needles:
+        assert needle in problems[0], (needle, problems[0])
+
+
+@pytest.mark.parametrize("changes,fix", [
+    (dict(distributed_backend="nccl"), "--distributed-backend gloo"),
+    (dict(transformer_impl="transformer_engine"), "--transformer-impl local"),
+    (dict(gradient_accumulation_fusion=True), "--no-gradient-accumulation-fusion"),
+    (dict(no_persist_layer_norm=False), "--no-persist-layer-norm"),
+    (dict(bf16=True), "no --bf16/--fp16"),
+    (dict(fp16=True), "no --bf16/--fp16"),
+    (dict(context_parallel_size=2), "--context-parallel-size 1"),
+    (dict(sequence_parallel=True), "no --sequence-parallel"),
+])
+def test_each_cpu_requirement_alone(changes, fix):
+    """On CPU the needs are one problem listing exactly the fixes that apply; with CUDA none apply."""
+    problems = _problems(**changes)
+    assert len(problems) == 1 and problems[0].startswith("on CPU (no CUDA) Megatron-LM needs: "), problems
+    listed = problems[0].removeprefix("on CPU (no CUDA) Megatron-LM needs: ").rstrip(".").split("; ")
+    assert len(listed) == 1 and listed[0].startswith(fix), listed
+    assert _problems(cuda=True, **changes) == []
+
+
+def test_every_problem_is_listed_at_once():
+    """Several bad flags: every one is reported in the same refusal (none hides another)."""
+    problems = _problems(calculate_per_token_loss=False, micro_batch_size=4, eval_iters=1, bf16=True,
+                         sequence_parallel=True)
+    assert len(problems) == 4
+    assert "no --bf16/--fp16" in problems[-1] and "no --sequence-parallel" in problems[-1]
