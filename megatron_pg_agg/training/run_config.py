@@ -426,10 +426,11 @@ class RunConfig:
                                 "of order (wrong gradients): drop --batch-p2p-comm")
         if not par.calculate_per_token_loss:
             problems.append("calculate_per_token_loss off gives a mean of microbatch means, not the chosen objective")
-        if model.hidden_size % model.num_attention_heads or model.num_attention_heads % tp:
+        # (a size < 1 is refused above; the divisibility checks need it >= 1)
+        if tp >= 1 and (model.hidden_size % model.num_attention_heads or model.num_attention_heads % tp):
             problems.append(f"--num-attention-heads {model.num_attention_heads} must divide --hidden-size "
                             f"{model.hidden_size} and be divisible by TP={tp}")
-        if model.vocab_size % tp:
+        if tp >= 1 and model.vocab_size % tp:
             problems.append(f"--vocab-size {model.vocab_size} must be divisible by TP={tp}")
         if not te and par.sequence_parallel and tp > 1:
             problems.append("--sequence-parallel needs Transformer Engine's layer norm (the local spec's torch "

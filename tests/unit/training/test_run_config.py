@@ -143,3 +143,35 @@ def test_every_field_of_the_tree_has_a_docstring():
         }
         missing = {f.name for f in dataclasses.fields(cls)} - documented
         assert not missing, f"{cls.__name__}: fields without a docstring: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("flags,world,expected", [
+    (["--tensor-model-parallel-size", 0], 2, "--tensor-model-parallel-size must be >= 1"),
+    (["--pipeline-model-parallel-size", 0], 2, "--pipeline-model-parallel-size must be >= 1"),
+    (["--context-parallel-size", 0], 2, "--context-parallel-size must be >= 1"),
+    (["--pipeline-model-parallel-size", 2], 3, "world size 3 is not divisible by TP x PP x CP = 1 x 2 x 1 = 2"),
+    (["--num-layers", 3, "--pipeline-model-parallel-size", 2], 2,
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (["--num-layers-per-virtual-pipeline-stage", 1], 2,
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2"),
+    (["--num-layers", 6, "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 2], 2,
+     "3 layers per pipeline stage are not divisible by --num-layers-per-virtual-pipeline-stage 2"),
+    (["--num-layers", 4, "--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+      "--batch-p2p-comm"], 2, "the interleaved pipeline with --batch-p2p-comm on gloo"),
+    (["--no-calculate-per-token-loss"], 2, "calculate_per_token_loss off gives a mean of microbatch means"),
+    (["--num-attention-heads", 3], 2, "--num-attention-heads 3 must divide --hidden-size 64"),
+    (["--vocab-size", 127, "--tensor-model-parallel-size", 2, "--sequence-parallel"], 2,
+     "--vocab-size 127 must be divisible by TP=2"),
+    (["--context-parallel-size", 2], 2, "--context-parallel-size > 1 needs Transformer Engine"),
+    (["--save-interval", 2], 2, "--save-interval needs --save and a value >= 1"),
+    (["--train-iters", 0], 2, "--train-iters must be >= 1"),
+    (["--rollouts", "/nonexistent/steps.jsonl"], 2, "--rollouts /nonexistent/steps.jsonl: no such file"),
+])
+def test_each_trainer_refusal_alone(flags, world, expected):
+    """One flag change, one problem, with the text that names the flag (the TE-dependent and
+    --load/--bf16 ones are covered above). Each case catches its check deleted or reading another
+    field; te=True where the case is not about TE, so only the change itself can refuse. The size-0
+    cases also catch a divisibility check dividing by the size before it is refused."""
+    about_te = expected.startswith("--context-parallel-size > 1")
+    problems = _cfg(*flags).startup_problems(world, backend="gloo", te=not about_te)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
