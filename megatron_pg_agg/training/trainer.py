@@ -54,11 +54,10 @@ class NonFiniteStepError(RuntimeError):
     """A step produced a non-finite loss or gradient (and --pg-skip-nonfinite-steps is off)."""
 
 
-def _check_steps(steps: dict, cfg: RunConfig, world: int) -> dict:
+def _check_steps(steps: dict, cfg: RunConfig, plan_cfg: PlanConfig) -> dict:
     """Every step must be plannable before the first update: a step that would fail at iteration
     k must not let iterations 0..k-1 train first. ``steps``: ``{step: RolloutBatch}`` (checked and
     packed once by :func:`~megatron_pg_agg.training.rollout_steps.load_steps`); returned as is."""
-    plan_cfg = cfg.plan_config(world)
     bins = plan_cfg.dp_size * (cfg.data.num_microbatches or 1)  # one per DP rank at least
     for key, batch in steps.items():
         try:
@@ -76,14 +75,17 @@ def _check_steps(steps: dict, cfg: RunConfig, world: int) -> dict:
 
 @dataclass
 class RunState:
+    """What a checkpoint carries besides the weights and the optimizer."""
+
     iteration: int = 0
+    """Iterations done: the data position (iteration ``i`` trains rollout step ``i mod S``)."""
     skipped: int = 0
+    """Steps skipped so far (non-finite, or refused by the optimizer)."""
 
 
 def _param_checksum(model) -> float:
     """Sum of all local parameters in float64, all-reduced over the world (each parameter counted
     once per DP x CP replica): a cheap fingerprint to compare runs."""
-
     total = torch.zeros((), dtype=torch.float64)
     for chunk in model:
         for p in chunk.parameters():
@@ -95,7 +97,6 @@ def _param_checksum(model) -> float:
 def _grad_square_sum(model, device=None) -> float:
     """Sum of squared main gradients over every rank (replicas counted each time): 0 exactly
     when every gradient is 0."""
-
     total = torch.zeros((), dtype=torch.float64, device=device)
     for chunk in model:
         for p in chunk.parameters():
@@ -144,8 +145,9 @@ def setup(cfg: RunConfig) -> Session:
     backend = "nccl" if cuda else "gloo"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world, backend=backend, te=te_usable())
+    plan_cfg = cfg.plan_config(world)
     steps = _check_steps(load_steps(cfg.data, cfg.loss, vocab_size=cfg.model.vocab_size, seed=cfg.training.seed),
-                         cfg, world)  # host checks, before any process group
+                         cfg, plan_cfg)  # host checks, before any process group
     par = cfg.parallel
     # cpu_gloo: CPU/gloo shim (MoE layers included); moe_aux_loss: router aux/z losses keep
     # Megatron's default strength under the per-token contract (patches/moe_aux_loss.py)
@@ -165,7 +167,7 @@ def setup(cfg: RunConfig) -> Session:
     log = MetricsLog(cfg.logging.metrics_file, cfg.logging.tensorboard_dir, train_cfg.train_iters,
                      enabled=rank == 0)
     _log_layout(cfg, world, backend, len(steps), state.iteration)
-    return Session(cfg=cfg, plan_cfg=cfg.plan_config(world), steps=steps, model=model, optimizer=optimizer,
+    return Session(cfg=cfg, plan_cfg=plan_cfg, steps=steps, model=model, optimizer=optimizer,
                    state=state, log=log, rank=rank, device=torch.device("cuda") if cuda else None,
                    groups=StepGroups.from_parallel_state())
 

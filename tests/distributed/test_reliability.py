@@ -171,6 +171,27 @@ def test_skip_nonfinite_steps_skips_loss_and_gradient_failures_and_leaves_the_mo
     assert skip_final[0]["param_checksum"] == ref_final[0]["param_checksum"]
 
 
+def test_the_skipped_step_counter_survives_a_resume(tmp_path):
+    """Two steps skipped (iterations 2 and 3), a checkpoint at 3, a run resumed from it: iteration
+    4's record equals the uninterrupted run's, skipped_total included (2, not 0), and so does the
+    final record. Catches a counter not saved, not restored, or reset at start-up."""
+    path = write_rollouts(tmp_path / "s.jsonl", _poisoned_steps("loss", "gradient"))
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["--rollouts", path, "--train-iters", 4, "--pg-skip-nonfinite-steps"]
+    rc, out, _ = _one_process([*common, "--save", full, "--save-interval", 3])
+    assert rc == 0, out[-20000:]
+    resumed.mkdir()
+    shutil.copytree(full / "iter_0000003", resumed / "iter_0000003")
+    (resumed / "latest").write_text("3\n")
+    rc, out, _ = _one_process([*common, "--save", resumed, "--load", resumed])
+    assert rc == 0 and "start_iteration=3" in out, out[-20000:]
+    a, a_final = _records(full / "metrics.jsonl")
+    b, b_final = _records(resumed / "metrics.jsonl")
+    assert [r["skipped_total"] for r in a] == [0, 1, 2, 2] and [r["iteration"] for r in b] == [4]
+    assert _same(a[3], b[0]), (a[3], b[0])
+    assert a_final[0]["skipped_total"] == b_final[-1]["skipped_total"] == 2
+
+
 # ----------------------------------------------------------------------------- W = 0
 
 
