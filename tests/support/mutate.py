@@ -70,7 +70,9 @@ def _apply(source: str, line: int, col: int, old: str, new: str) -> str:
 
 def _scratch_copy() -> Path:
     scratch = Path(tempfile.mkdtemp(prefix="mutate-"))
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    # tracked files and new ones not yet committed (a test just written must count)
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
         if (ROOT / rel).is_file():
             (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     results = []
     try:
         for k, (rel, line, col, old, new) in enumerate(chosen, 1):
-            original = (ROOT / rel).read_text()
+            original = (scratch / rel).read_text()  # the copy: edits to the checkout meanwhile cannot leak in
             (scratch / rel).write_text(_apply(original, line, col, old, new))
             t0 = time.monotonic()
             outcome = run_tests(scratch, TESTS_OF[rel.split("/")[1]], args.timeout)

@@ -107,3 +107,32 @@ def test_balance_statistics_are_max_over_mean():
     assert plan.stats["microbatch_balance"] == pytest.approx(max(flat) / (sum(flat) / len(flat)))
     assert plan.stats["rank_balance"] == pytest.approx(max(per_rank) / (sum(per_rank) / len(per_rank)))
     assert plan.stats["microbatch_balance"] >= 1 and plan.stats["rank_balance"] >= 1
+
+
+def test_the_planners_host_records_are_immutable():
+    """The planner trusts what it built (no re-checks downstream), so its configs and phase
+    results cannot be changed after the fact: ``frozen=True`` dropped from any of them fails."""
+    import dataclasses
+
+    from megatron_pg_agg.data import planner
+
+    batch = RolloutBatch.from_rollouts(fixed_step())
+    plan_cfg = PlanConfig(dp_size=2, num_microbatches=2)
+    order = planner.canonical_order(batch, plan_cfg)
+    cfg = PGLossConfig(rollout_correction="token_truncate")
+    rollouts = fixed_step()
+    for r in rollouts:  # a correction needs the rollout engine's log-probs
+        r.rollout_logprobs = list(r.old_logprobs)
+    corrected = RolloutBatch.from_rollouts(rollouts)
+    records = {
+        "PlanConfig": plan_cfg,
+        "CanonicalOrder": order,
+        "StepWeights": planner.step_weights(batch, order, PGLossConfig()),
+        "Bins": planner.pack_bins(order, plan_cfg),
+        "RolloutCorrection": rollout_correction(corrected, cfg),
+    }
+    for name, record in records.items():
+        field = dataclasses.fields(record)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, field, None)
+        assert name == type(record).__name__
