@@ -72,8 +72,6 @@ class StepResult:
     router_pairs: Optional[torch.Tensor]
     """MoE: float64 ``[4, 2]`` router aux/z-loss ``[sum, count]`` pairs summed over the world
     (:func:`~megatron_pg_agg.megatron.moe.router_loss_pairs`); None without experts."""
-    microbatches: int
-    """This rank's microbatch count."""
 
     def values(self, pg_weight: int) -> dict:
         """``{report key: sum / count}`` (None for a key not computed), with ``objective = 0`` on
@@ -127,4 +125,4 @@ def run_pg_step(
     if experts:
         router_pairs = router_loss_pairs(model, len(mbs), device=device)
         dist.all_reduce(router_pairs)
-    return StepResult(pairs=pairs, router_pairs=router_pairs, microbatches=len(mbs))
+    return StepResult(pairs=pairs, router_pairs=router_pairs)

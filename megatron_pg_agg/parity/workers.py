@@ -85,7 +85,7 @@ def _groups(case: ParityCase):
     return replace(groups, context=None) if case.control == "no_cp_statistic_reduction" else groups
 
 
-def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device) -> None:
+def _subtract_router_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device) -> None:
     """``main_grad -= `` the gradient of an aux-only run of the same step (advantages 0, KL and
     entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving the
     PG objective's gradient (the router losses add linearly; tests/distributed/test_moe.py checks that and
@@ -94,7 +94,7 @@ def _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank,
     total = {id(p): p.main_grad.detach().clone() for chunk in model for p in chunk.module.parameters()}
     aux_rollouts = [replace(r, advantages=[0.0] * len(r.advantages)) for r in rollouts]
     aux_cfg = replace(cfg, kl_coef=0.0, entropy_coef=0.0)
-    run_pg_step(model, _plan(case, aux_rollouts, aux_cfg, cp_rank), aux_cfg, _groups(case), dp_rank=dp_rank,
+    run_pg_step(model, _plan(case, aux_rollouts, aux_cfg, cp_rank), aux_cfg, groups, dp_rank=dp_rank,
                 experts=True, device=device)
     with torch.no_grad():
         for chunk in model:
@@ -159,7 +159,7 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
                              device=device, microbatches=mbs)
         step_s = time.perf_counter() - t0
         if case.experts:
-            _subtract_router_loss_gradient(model, rollouts, cfg, case, cp_rank, dp_rank, device)
+            _subtract_router_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device)
         total, count = result.pairs[REPORT_KEYS.index("objective")].tolist()  # every stage has them
         grads = gather_full_grads(model) if keep else {}
         gathered = [None] * dist.get_world_size()

@@ -193,7 +193,7 @@ def test_ppo_dual_clip_caps_negative_advantages_as_the_reference():
     cap = 1.5
     cfg = PGLossConfig(mode="token_mean", clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, dual_clip=cap,
                        report_entropy=False)
-    got = _recorded(rollouts, [(lp, ent) for lp, ent in current], cfg)
+    got = _recorded(rollouts, current, cfg)
     num = clipped = 0
     pg_sum = 0.0
     for r, (logp, _) in zip(rollouts, current):
