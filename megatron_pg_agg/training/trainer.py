@@ -249,6 +249,8 @@ def train_step(s: Session) -> dict:
         "iteration": state.iteration, "rollout_step": key,
         **result.values(plan.totals.pg_weight), **correction_values(plan.correction_stats),
         "weight": plan.totals.pg_weight, "valid_tokens": plan.totals.valid_tokens, "grad_norm": grad_norm,
+        # the rate this step's update used (constant here: the trainer has no schedule)
+        "learning_rate": s.optimizer.param_groups[0]["lr"],
         "tokens_per_s": plan.stats["tokens"] / elapsed, "step_s": elapsed,
         "microbatches": plan.stats["microbatches_per_rank"],
         "microbatch_balance": plan.stats["microbatch_balance"],

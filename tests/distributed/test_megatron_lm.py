@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.launching import ROOT, finish, kill_launch, run, start, torchrun, worker
+from tests.support.reference import reference_record
 
 SCRIPT = ROOT / "launch" / "pretrain_actor.py"
 RUNS = worker("megatron_lm_runs")
@@ -36,11 +37,12 @@ TINY = [
     "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--log-interval", "1", "--seed", "1234",
 ]
-KL_COEF, ENTROPY_COEF = 0.01, 0.001
-LOSS = ["--calculate-per-token-loss", "--pg-kl-coef", str(KL_COEF), "--pg-entropy-coef", str(ENTROPY_COEF)]
+KL_COEF, ENTROPY_COEF, EPS_LOW, EPS_HIGH, DIVISOR = 0.01, 0.001, 0.2, 0.28, 32.0
+LOSS = ["--calculate-per-token-loss", "--pg-kl-coef", str(KL_COEF), "--pg-entropy-coef", str(ENTROPY_COEF),
+        "--pg-clip-eps", str(EPS_LOW), "--pg-clip-eps-high", str(EPS_HIGH)]
 MODES = {
     "token_mean": [], "seq_mean": [], "prompt_mean": [],
-    "constant": ["--pg-loss-aggregation-divisor", "32"],
+    "constant": ["--pg-loss-aggregation-divisor", str(DIVISOR)],
 }
 ITERS = 4
 # SGD for the layout comparison: Adam's first update is lr * g / (|g| + eps), so a gradient entry
@@ -199,23 +201,134 @@ def test_tensorboard_gets_the_step_values_through_megatron_lms_writer(work, layo
     assert any(r["objective"] < 0 for r in records)  # what Megatron-LM's console line drops
 
 
-def test_first_step_matches_an_independent_single_process_reference(checkout, work, initial_checkpoint,
-                                                                   layout_runs):
-    """Iteration 1's objective under every layout equals a float64 reference that loads the same
-    checkpoint with Megatron-LM's own loader, forwards each response alone and aggregates with
-    plain Python sums (tests/distributed/workers/megatron_lm_reference.py: no package loss or planning code)."""
+@pytest.fixture(scope="module")
+def reference_tokens(checkout, work, initial_checkpoint) -> list:
+    """Per rollout of step 0, the initial weights' ``(log-probs, entropies)`` of its response
+    tokens: Megatron-LM's own loader, one process, every response forwarded alone, float64
+    (tests/distributed/workers/megatron_lm_reference.py: no package loss or planning code)."""
     out_path = work / "reference.json"
     rc, out, _ = run([sys.executable, *REFERENCE, str(checkout), str(out_path), "--", *TINY, *LOSS,
-                      "--load", str(initial_checkpoint), "--finetune",
-                      "--pg-loss-aggregation", "constant", "--pg-loss-aggregation-divisor", "32"],
-                     LAUNCH_S, "reference")
+                      "--load", str(initial_checkpoint), "--finetune"], LAUNCH_S, "reference")
     assert rc == 0, out[-20000:]
-    reference = json.loads(out_path.read_text())
-    assert reference["sequences"] == 24 and reference["groups"] == 6
+    return [tuple(t) for t in json.loads(out_path.read_text())["tokens"]]
+
+
+def _rollouts(step: int = 0) -> list:
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+
+    return synthetic_rollouts(vocab_size=127, seed=1234)[step]
+
+
+def _numbers(mode: str, policy: str = "ppo", estimator: str = "k3", correction=None):
+    from tests.support.reference import LossNumbers
+
+    return LossNumbers(mode=mode, policy=policy, estimator=estimator, eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                       divisor=DIVISOR if mode == "constant" else None, kl_coef=KL_COEF,
+                       entropy_coef=ENTROPY_COEF, correction=correction)
+
+
+def _assert_record_is_the_reference(record: dict, want: dict, where) -> dict:
+    """Every number of ``want`` (reference_record) in the record: W and valid tokens exactly, the
+    rest to 1e-6 relative (objective and pg_loss against at least 0.01: float32 sums of per-token
+    terms of size ~0.1-1 that cancel to ~1e-3, so a factor 1.01 still fails by far). Returns the
+    relative errors."""
+    assert (record["weight"], record["valid_tokens"]) == (want["weight"], want["valid_tokens"]), where
+    errors = {}
+    for key, value in want.items():
+        if key in ("weight", "valid_tokens"):
+            continue
+        floor = 0.01 if key in ("objective", "pg_loss") else 1e-6
+        errors[key] = abs(record[key] - value) / max(abs(value), floor)
+        assert errors[key] <= 1e-5, (where, key, record[key], value)
+    return errors
+
+
+def test_first_step_records_the_independent_single_process_reference(layout_runs, reference_tokens):
+    """Iteration 1 of every mode under every layout: each recorded number (objective, pg_loss,
+    clip_fraction, ratio, kl, entropy, weight, valid_tokens) equals float64 values computed here
+    from the rollouts and the reference's per-token terms (tests/support/reference.py)."""
+    rollouts = _rollouts()
+    assert len(reference_tokens) == len(rollouts) == 24 and len({r.group_id for r in rollouts}) == 6
     for mode in MODES:
+        want = reference_record(rollouts, reference_tokens, _numbers(mode))
         for layout in LAYOUTS:
-            got = layout_runs[layout, mode][0]["objective"]
-            assert _rel(got, reference[mode]) <= 1e-6, (mode, layout, got, reference[mode])
+            _assert_record_is_the_reference(layout_runs[layout, mode][0], want, (layout, mode))
+
+
+def test_every_record_is_of_the_step_that_ran(layout_runs):
+    """Every iteration of every layout and mode logs the W and valid-token count of the rollout
+    step it trained on (iteration i: step (i - 1) mod 4, counted here from the masks and groups),
+    Megatron-LM's learning rate of the run (constant 0.05) and no skip. Catches a record made
+    from the next (or previous) step's plan, and a weight of one rank or microbatch."""
+    from tests.support.reference import reference_weight
+
+    steps = {k: _rollouts(k) for k in range(4)}
+    assert len({reference_weight(steps[k], "token_mean") for k in steps}) == 4  # an off-by-one shows
+    for (layout, mode), records in layout_runs.items():
+        for r in records:
+            step = (r["iteration"] - 1) % 4
+            assert r["rollout_step"] == step, (layout, mode, r)
+            assert (r["weight"], r["valid_tokens"]) == reference_weight(steps[step], mode), (layout, mode, r)
+            assert r["learning_rate"] == 0.05 and r["skipped"] is False, (layout, mode, r)
+
+
+def _policy_variants() -> dict:
+    """{name: (flags, LossNumbers)}: every mode x gspo/gmpo/cispo (each KL estimator in turn),
+    ppo with k1 and k2, and ppo with every rollout correction (seq_mean)."""
+    from megatron_pg_agg.core.losses import KL_ESTIMATORS
+
+    out = {}
+    for i, (mode, policy) in enumerate((m, p) for m in MODES for p in ("gspo", "gmpo", "cispo")):
+        estimator = KL_ESTIMATORS[i % len(KL_ESTIMATORS)]
+        out[f"{mode}-{policy}-{estimator}"] = (
+            ["--pg-loss-aggregation", mode, *MODES[mode], "--pg-policy-loss", policy, "--pg-kl-estimator", estimator],
+            _numbers(mode, policy, estimator))
+    for estimator in ("k1", "k2"):
+        out[f"token_mean-ppo-{estimator}"] = (["--pg-kl-estimator", estimator],
+                                              _numbers("token_mean", "ppo", estimator))
+    for kind, (cap, floor) in CORRECTIONS.items():
+        out[f"seq_mean-ppo-{kind}"] = (
+            ["--pg-loss-aggregation", "seq_mean", "--pg-rollout-correction", kind,
+             "--pg-rollout-correction-max", str(cap), "--pg-rollout-correction-min", str(floor)],
+            _numbers("seq_mean", correction=(kind, cap, floor)))
+    return out
+
+
+CORRECTIONS = {"token_truncate": (1.02, 0.0), "token_mask": (1.02, 0.97), "sequence_truncate": (1.01, 0.0),
+               "sequence_mask": (1.01, 0.99)}
+
+
+def test_every_policy_loss_estimator_and_correction_records_the_reference(checkout, work, initial_checkpoint,
+                                                                         reference_tokens):
+    """DP=2 (2 microbatches per rank), iteration 1 from the common initial weights: every mode x
+    gspo/gmpo/cispo, ppo with each KL estimator, and ppo with each rollout correction (rollouts
+    with the engine's log-probs, --pg-rollouts): every recorded number, the correction counts
+    included, equals the float64 reference. Catches a policy-loss, estimator or correction flag
+    that does not reach the loss, a sequence ratio from a per-rank N_i, and a count over the
+    wrong mask."""
+    from megatron_pg_agg.data.rollout_files import write_rollouts
+    from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from tests.support.rollouts import with_engine_logprobs
+
+    steps = with_engine_logprobs(synthetic_rollouts(vocab_size=127, seed=1234))
+    rollout_file = write_rollouts(work / "engine_steps.jsonl", steps)
+    variants = _policy_variants()
+    runs = [{"name": name, "argv": [
+        "--megatron-lm", str(checkout), *TINY, *LOSS, *LAYOUT_OPTIMIZER, "--train-iters", "1",
+        "--load", str(initial_checkpoint), "--finetune", "--pg-rollouts", str(rollout_file), *flags,
+        "--pg-metrics-file", str(work / f"policy_{name}.jsonl")]} for name, (flags, _) in variants.items()]
+    status, out = _batch(work, "policies", 2, runs)
+    assert status == {name: 0 for name in variants}, out[-20000:]
+    worst = {}
+    for name, (_, numbers) in variants.items():
+        (record,) = _records(work / f"policy_{name}.jsonl")
+        want = reference_record(steps[0], reference_tokens, numbers)
+        assert record["iteration"] == 1 and record["rollout_step"] == 0 and record["skipped"] is False, name
+        for key, err in _assert_record_is_the_reference(record, want, name).items():
+            worst[key] = max(worst.get(key, 0.0), err)
+        if numbers.correction:  # the correction acts on this data
+            assert record["correction_masked" if numbers.correction[0].endswith("mask") else "correction_truncated"] > 0
+    print("worst relative error per field over", len(variants), "runs:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
 def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):

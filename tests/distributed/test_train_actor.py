@@ -8,6 +8,7 @@ from tests.support.launching import ROOT, child_env, finish, free_port, run, sta
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 REFERENCE = worker("trainer_reference")
+RUNS = worker("trainer_runs")
 MULTINODE = ROOT / "launch" / "multinode.sh"
 FIELDS = ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
 
@@ -15,6 +16,17 @@ FIELDS = ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", 
 def _records(path):
     lines = [json.loads(line) for line in open(path)]
     return [r for r in lines if not r.get("final")], [r for r in lines if r.get("final")]
+
+
+def _reference(tmp_path, checkpoint, step: int, flags: list, variants=None) -> dict:
+    """The single-process float64 reference (workers/trainer_reference.py) of rollout step
+    ``step`` at a checkpoint's weights (None: the initial ones)."""
+    spec, out = tmp_path / "reference.spec.json", tmp_path / "reference.json"
+    spec.write_text(json.dumps({"checkpoint": checkpoint and str(checkpoint), "step": step,
+                                "flags": list(map(str, flags)), "variants": variants or {"": []}}))
+    rc, log, _ = run([sys.executable, *REFERENCE, str(spec), str(out)], 300, "trainer reference", env=child_env())
+    assert rc == 0, log[-10000:]
+    return json.loads(out.read_text())
 
 
 def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
@@ -39,13 +51,9 @@ def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
     # README's formulas (parity.step_objective), its gradient by autograd. The logged objective
     # and the pre-clip gradient norm must agree: a doubled (or halved) loss, a wrong mode or a
     # gradient off by any factor cannot.
-    ref_out = tmp_path / "reference.json"
-    rc, log, _ = run([sys.executable, *REFERENCE, str(ckpt / "iter_0000010" / "rank_00000.pt"),
-                      str(steps[10]["rollout_step"]), str(ref_out), "--"], 300, "trainer reference", env=child_env())
-    assert rc == 0, log[-10000:]
-    ref = json.loads(ref_out.read_text())
-    got = steps[10]
-    assert ref["iteration"] == 10 and got["iteration"] == 11
+    reference = _reference(tmp_path, ckpt / "iter_0000010" / "rank_00000.pt", steps[10]["rollout_step"], [])
+    ref, got = reference["variants"][""], steps[10]
+    assert reference["iteration"] == 10 and got["iteration"] == 11
     assert got["weight"] == ref["weight"]
     obj_err = abs(got["objective"] - ref["objective"]) / abs(ref["objective"])
     norm_err = abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
@@ -126,39 +134,97 @@ def test_the_trainer_refuses_a_correction_without_rollout_logprobs(tmp_path):
     assert rc == 2 and "C > c" in out, out[-3000:]
 
 
-def test_the_record_carries_the_step_correction_counts_of_an_independent_reference(tmp_path):
-    """token_truncate: the first record's correction_truncated / correction_weight equal float64
-    sums written here from the rollouts (truncated share of valid tokens, mean min(exp(old -
-    rollout), C) over numerator tokens). Catches the planner's step statistics or the record's
-    conversion (a missing key, a count from the wrong mask, per-rank instead of step sums)."""
-    import math
+# Every mode x policy loss (the three KL estimators in turn), and every rollout correction: one
+# iteration each from the same initial weights, in one launch (workers/trainer_runs.py)
+EPS_LOW, EPS_HIGH, KL_COEF, ENTROPY_COEF, DIVISOR, LR = 0.2, 0.28, 0.05, 0.01, 32.0, 1e-3
+LOSS_FLAGS = ["--pg-clip-eps", EPS_LOW, "--pg-clip-eps-high", EPS_HIGH, "--pg-kl-coef", KL_COEF,
+              "--pg-entropy-coef", ENTROPY_COEF, "--lr", LR]
+CORRECTIONS = {"token_truncate": (1.02, 0.0), "token_mask": (1.02, 0.97), "sequence_truncate": (1.01, 0.0),
+               "sequence_mask": (1.01, 0.99)}
 
+
+def _loss_variants() -> dict:
+    """{name: (flags, LossNumbers)} of every run of the every-field test."""
+    from megatron_pg_agg.core.losses import KL_ESTIMATORS, POLICY_LOSSES
+    from megatron_pg_agg.core.modes import MODES
+    from tests.support.reference import LossNumbers
+
+    out = {}
+    common = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=KL_COEF, entropy_coef=ENTROPY_COEF)
+    for i, (mode, policy) in enumerate((m, p) for m in MODES for p in POLICY_LOSSES):
+        estimator = KL_ESTIMATORS[i % len(KL_ESTIMATORS)]
+        divisor = DIVISOR if mode == "constant" else None
+        flags = ["--pg-loss-aggregation", mode, "--pg-policy-loss", policy, "--pg-kl-estimator", estimator,
+                 *(["--pg-loss-aggregation-divisor", divisor] if divisor else [])]
+        out[f"{mode}-{policy}-{estimator}"] = (flags, LossNumbers(mode=mode, policy=policy, estimator=estimator,
+                                                                  divisor=divisor, **common))
+    for kind, (cap, floor) in CORRECTIONS.items():
+        flags = ["--pg-loss-aggregation", "seq_mean", "--pg-rollout-correction", kind,
+                 "--pg-rollout-correction-max", cap, "--pg-rollout-correction-min", floor]
+        out[f"seq_mean-ppo-{kind}"] = (flags, LossNumbers(mode="seq_mean", correction=(kind, cap, floor), **common))
+    return out
+
+
+def test_every_recorded_field_of_every_mode_and_policy_loss_equals_the_float64_reference(tmp_path):
+    """DP=2 (2 microbatches per rank), iteration 1 of every mode x policy loss (each KL estimator
+    in turn) and of every rollout correction: each field of the metrics record against float64
+    values computed here from the rollouts (tests/support/reference.reference_record) and the
+    current policy's per-token log-probs and entropies from the reference worker (one process,
+    the same initial weights, every response alone): objective, pg_loss, clip_fraction, ratio,
+    kl, entropy, weight, valid_tokens and the correction counts to 1e-5 relative, grad_norm
+    against autograd of the worker's float64 objective, and rollout_step, skipped,
+    skipped_total and learning_rate exactly. What it catches in the entry: a record built from
+    another step's plan or from one rank's pairs, a pair reduced over TP or DP twice, a report
+    key converted with the wrong count, an estimator or clip flag not reaching the loss, a
+    correction count from the wrong mask, the learning rate of another step."""
     from megatron_pg_agg.data.rollout_files import write_rollouts
     from megatron_pg_agg.data.synthetic import synthetic_rollouts
+    from tests.support.reference import reference_record
+    from tests.support.rollouts import with_engine_logprobs
 
-    cap = 1.02
-    steps = synthetic_rollouts(vocab_size=128, seed=1234)
-    for rollouts in steps.values():
-        for i, r in enumerate(rollouts):
-            r.rollout_logprobs = [lp - 0.03 * ((i + j) % 3) for j, lp in enumerate(r.old_logprobs)]
-    path = write_rollouts(tmp_path / "steps.jsonl", steps)
-    metrics = tmp_path / "m.jsonl"
-    rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", 1, "--metrics-file", metrics, "--rollouts", path,
-                              "--pg-rollout-correction", "token_truncate", "--pg-rollout-correction-max", cap),
-                     300, "correction counts")
-    assert rc == 0, out[-20000:]
-    record = _records(metrics)[0][0]
-    valid = truncated = numerator = 0
-    weight_sum = 0.0
-    for r in steps[record["rollout_step"]]:
-        for j, d in enumerate(r.loss_mask):
-            n = d if r.numerator_mask is None else r.numerator_mask[j] * d
-            ratio = math.exp(r.old_logprobs[j] - r.rollout_logprobs[j])
-            valid += d
-            truncated += int(bool(d) and ratio > cap)
-            numerator += n
-            weight_sum += min(ratio, cap) if n else 0.0
-    assert truncated > 0  # the case is exercised
-    assert record["correction_truncated"] == pytest.approx(truncated / valid, rel=1e-9)
-    assert record["correction_masked"] == 0.0
-    assert record["correction_weight"] == pytest.approx(weight_sum / numerator, rel=1e-5)  # float32 inputs
+    variants = _loss_variants()
+    steps = with_engine_logprobs(synthetic_rollouts(vocab_size=128, seed=1234))
+    rollout_file = write_rollouts(tmp_path / "steps.jsonl", steps)
+    runs = [{"name": name, "argv": list(map(str, [*LOSS_FLAGS, *flags, "--train-iters", 1, "--rollouts", rollout_file,
+                                                  "--metrics-file", tmp_path / f"{name}.jsonl"]))}
+            for name, (flags, _) in variants.items()]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    rc, out, _ = run(torchrun(2, *RUNS, tmp_path / "runs.json", tmp_path / "status.json"), 600, "trainer runs")
+    assert rc == 0 and json.loads((tmp_path / "status.json").read_text()) == {n: 0 for n in variants}, out[-20000:]
+    # the reference forwards the built-in set: the same ids, without the engine's log-probs
+    # (which only the corrections read, and reference_record reads from `steps`)
+    plain = {name: [str(f) for f in flags] for name, (flags, numbers) in variants.items() if numbers.correction is None}
+    ref = _reference(tmp_path, None, 0, LOSS_FLAGS, plain)
+    rollouts = steps[0]
+    assert len(ref["tokens"]) == len(rollouts)
+    current = [(logp, entropy) for logp, entropy in ref["tokens"]]
+    worst = {}
+    for name, (_, numbers) in variants.items():
+        (record,), _ = _records(tmp_path / f"{name}.jsonl")
+        want = reference_record(rollouts, current, numbers)
+        counters = (record["iteration"], record["rollout_step"], record["skipped"], record["skipped_total"])
+        assert counters == (1, 0, False, 0), name
+        assert record["learning_rate"] == LR, name
+        assert (record["weight"], record["valid_tokens"]) == (want["weight"], want["valid_tokens"]), name
+        for key, value in want.items():
+            if key in ("weight", "valid_tokens"):
+                continue
+            # pg_loss and objective are float32 sums of per-token terms of size ~0.1-1 that cancel
+            # to ~1e-3 here: their rounding scales with the terms, so the error is taken
+            # against at least 0.01 (a factor 1.01 on the smallest, 6e-4, is still 60x over)
+            floor = 0.01 if key in ("objective", "pg_loss") else 1e-6
+            err = abs(record[key] - value) / max(abs(value), floor)
+            worst[key] = max(worst.get(key, 0.0), err)
+            assert err <= 1e-5, (name, key, record[key], value)
+        if name in ref["variants"]:
+            autograd = ref["variants"][name]
+            assert autograd["weight"] == record["weight"], name
+            assert abs(autograd["objective"] - want["objective"]) <= 1e-9 * max(abs(want["objective"]), 1e-6), name
+            err = abs(record["grad_norm"] - autograd["grad_norm"]) / autograd["grad_norm"]
+            worst["grad_norm"] = max(worst.get("grad_norm", 0.0), err)
+            assert err <= 1e-5, (name, record["grad_norm"], autograd["grad_norm"])
+    # the options act on this data: the corrections change something, the clip binds
+    for kind in CORRECTIONS:
+        (record,), _ = _records(tmp_path / f"seq_mean-ppo-{kind}.jsonl")
+        assert record["correction_masked" if kind.endswith("mask") else "correction_truncated"] > 0, kind
+    print("worst relative error per field over", len(variants), "runs:", {k: f"{v:.1e}" for k, v in worst.items()})

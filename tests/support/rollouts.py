@@ -11,4 +11,15 @@ def fixed_step(seed: int = 7, with_ref: bool = True) -> list:
     return parity_rollouts(seed, with_ref=with_ref)
 
 
-__all__ = ["VOCAB", "fixed_step"]
+def with_engine_logprobs(steps: dict) -> dict:
+    """``steps`` ({step: [Rollout]}) given a rollout engine's log-probs, in place: they differ
+    from old_logprobs by up to ~0.06 per token, with a bias per sequence, so both the token and
+    the sequence corrections act on them."""
+    for rollouts in steps.values():
+        for i, r in enumerate(rollouts):
+            bias = 0.02 * ((i % 5) - 2)
+            r.rollout_logprobs = [lp - bias - 0.02 * ((i + j) % 3 - 1) for j, lp in enumerate(r.old_logprobs)]
+    return steps
+
+
+__all__ = ["VOCAB", "fixed_step", "with_engine_logprobs"]

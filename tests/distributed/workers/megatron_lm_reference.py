@@ -4,17 +4,16 @@
 
 Loads the runs' initial checkpoint with Megatron-LM's own ``load_checkpoint`` (the flags carry
 ``--load DIR --finetune``), forwards every response of rollout step 0 ALONE (no packing, no
-planner, no microbatches, no parallelism), and computes each mode's objective in float64 with
-plain per-sequence Python sums written from the README's contract. Nothing of the package's loss,
-aggregation or planning code is used: only the model infrastructure (the CPU patches, and the
-core attention that builds an explicit causal mask) and the synthetic rollout generator (data).
-Writes ``{mode: objective}`` for token_mean, seq_mean, prompt_mean and constant (divisor from
-``--pg-loss-aggregation-divisor``), plus the flags' clip/KL/entropy settings it used.
+planner, no microbatches, no parallelism), and writes ``{"tokens": [[log-probs, entropies] per
+rollout]}``: the current policy's per-token terms in float64, from which the test computes every
+recorded number with ``tests.support.reference.reference_record`` (plain Python sums written from
+the contract). Nothing of the package's loss, aggregation or planning code is used: only the
+model infrastructure (the CPU patches, and the core attention that builds an explicit causal
+mask) and the synthetic rollout generator (data).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from functools import partial
@@ -27,7 +26,7 @@ def main() -> None:
 
     rollouts = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)[0]
     with open(out_path, "w") as f:
-        json.dump(_objectives(_per_token_terms(net, rollouts, args), args), f)
+        json.dump({"tokens": _per_token_terms(net, rollouts)}, f)
 
 
 def _load_model(checkout: str, flags: list):
@@ -71,60 +70,20 @@ def _load_model(checkout: str, flags: list):
     return net, get_args()
 
 
-def _per_token_terms(net, rollouts, args) -> list:
-    """Per response: ``(group, [(n, d, pg, kl, entropy) per response token])``, each term in float64
-    Python from one unpacked forward pass of the response."""
+def _per_token_terms(net, rollouts) -> list:
+    """Per response: ``[log-probs, entropies]`` of its response tokens, in float64 from one
+    unpacked forward pass of the response (over the padded vocabulary, as the model's logits)."""
     import torch
 
-    eps_low = args.pg_clip_eps
-    eps_high = args.pg_clip_eps_high if args.pg_clip_eps_high is not None else eps_low
-    seqs = []
+    tokens = []
     with torch.no_grad():
         for r in rollouts:
             ids = list(r.prompt_ids) + list(r.response_ids)
-            tokens = torch.tensor([ids])
-            logits = net(input_ids=tokens, position_ids=torch.arange(len(ids))[None], attention_mask=None)
-            logp_all = torch.log_softmax(logits[0].double(), dim=-1)  # [S, padded vocab]
-            per_token = []
-            for j, token in enumerate(r.response_ids):
-                row = logp_all[len(r.prompt_ids) + j - 1]
-                lp = float(row[token])
-                d = int(r.loss_mask[j])
-                n = d if r.numerator_mask is None else int(r.numerator_mask[j]) * d
-                adv, old = float(r.advantages[j]), float(r.old_logprobs[j])
-                ratio = math.exp(lp - old)
-                pg = max(-adv * ratio, -adv * min(max(ratio, 1 - eps_low), 1 + eps_high))
-                log_ratio = lp - float(r.ref_logprobs[j])
-                kl = math.exp(-log_ratio) + log_ratio - 1.0  # k3 (the default estimator)
-                entropy = -float((row.exp() * row).sum())
-                per_token.append((n, d, pg, kl, entropy))
-            seqs.append((r.group_id, per_token))
-    return seqs
-
-
-def _objectives(seqs: list, args) -> dict:
-    """J in every mode from the per-token terms (the contract's formulas, written out)."""
-    kl_coef, ent_coef = args.pg_kl_coef, args.pg_entropy_coef
-    divisor = args.pg_loss_aggregation_divisor  # the flags name constant mode and its divisor
-    tokens_d = sum(d for _, ts in seqs for _, d, _, _, _ in ts)
-    extra = (kl_coef * sum(kl for _, ts in seqs for _, d, _, kl, _ in ts if d)
-             - ent_coef * sum(h for _, ts in seqs for _, d, _, _, h in ts if d)) / tokens_d
-    numerator = sum(pg for _, ts in seqs for n, _, pg, _, _ in ts if n)
-    seq_units = [(sum(pg for n, _, pg, _, _ in ts if n), sum(d for _, d, _, _, _ in ts)) for _, ts in seqs]
-    groups: dict = {}
-    for (group, _), (num, den) in zip(seqs, seq_units):
-        acc = groups.setdefault(group, [0.0, 0])
-        acc[0] += num
-        acc[1] += den
-    active_seqs = [num / den for num, den in seq_units if den > 0]
-    active_groups = [num / den for num, den in groups.values() if den > 0]
-    return {
-        "token_mean": numerator / tokens_d + extra,
-        "seq_mean": sum(active_seqs) / len(active_seqs) + extra,
-        "prompt_mean": sum(active_groups) / len(active_groups) + extra,
-        "constant": numerator / (len(active_seqs) * divisor) + extra,
-        "sequences": len(seqs), "groups": len(groups),
-    }
+            logits = net(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], attention_mask=None)
+            rows = torch.log_softmax(logits[0].double(), dim=-1)[len(r.prompt_ids) - 1:len(ids) - 1]
+            logp = rows.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            tokens.append([logp.tolist(), (-(rows.exp() * rows).sum(-1)).tolist()])
+    return tokens
 
 
 if __name__ == "__main__":

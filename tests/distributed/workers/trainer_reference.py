@@ -1,14 +1,22 @@
 """Independent single-process reference for one iteration of the trainer (launch/train_actor.py).
 
-    python -m tests.distributed.workers.trainer_reference CHECKPOINT.pt STEP OUT.json -- <the run's trainer flags>
+    python -m tests.distributed.workers.trainer_reference SPEC.json OUT.json
 
-Builds the trainer's model from its flags (one process, no parallelism), loads the weights of a
-checkpoint the run saved (rank 0's file), forwards every response of rollout step STEP of the
-built-in set ALONE (no packing, planner, microbatches or DDP), computes the step objective with
-``megatron_pg_agg.parity.step_objective`` (float64 per-token Python sums written from the README,
-sharing no code with the package's loss or aggregation) and differentiates it. Writes
-``{"objective": J, "weight": W, "grad_norm": ||dJ/dtheta||}``: what the run's next iteration must
-log (its grad_norm is the norm before clipping).
+SPEC.json: ``{"checkpoint": PATH or null, "step": K, "flags": [the runs' trainer flags],
+"variants": {name: [more flags]}}``. Builds the trainer's model from the flags (one process, no
+parallelism) with the weights of ``checkpoint`` (rank 0's file of a run's ``--save``), or, for
+null, the seeded initial weights rebuilt as the trainer builds them (seed, then the same
+construction; a run's first iteration starts from them). Then, with no packing, planner,
+microbatches or DDP, every response of rollout step K of the built-in set is forwarded ALONE:
+
+- ``tokens``: per rollout, the current policy's ``[log-probs, entropies]`` of its response tokens
+  in float64 (the inputs of ``tests.support.reference.reference_record``);
+- ``variants``: per variant, ``{"objective": J, "weight": W, "grad_norm": ||dJ/dtheta||}`` from
+  ``megatron_pg_agg.parity.step_objective`` (float64 per-token Python sums written from the
+  README, sharing no code with the package's loss or aggregation) and autograd: what the run's
+  next iteration must log (its grad_norm is the norm before clipping).
+
+Writes ``{"iteration": the checkpoint's (0 for the initial weights), "tokens": ..., "variants": ...}``.
 """
 from __future__ import annotations
 
@@ -17,8 +25,9 @@ import sys
 
 
 def main() -> None:
-    ckpt_path, step, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    flags = sys.argv[sys.argv.index("--") + 1:]
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
     import torch
 
     from megatron_pg_agg.patches import apply_megatron_patches
@@ -32,7 +41,8 @@ def main() -> None:
     from megatron_pg_agg.training.args import config_from_args
     from megatron_pg_agg.training.run_config import build_parser
 
-    args = build_parser().parse_args(flags)
+    parser = build_parser()
+    args = parser.parse_args(spec["flags"])
     if args.rollouts or args.num_experts or args.tensor_model_parallel_size != 1:
         raise SystemExit("the reference covers the built-in rollouts and a dense model")
     init_distributed()
@@ -42,22 +52,38 @@ def main() -> None:
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads, use_cpu_initialization=True,
         calculate_per_token_loss=True)
+    torch.manual_seed(args.seed)  # as the trainer seeds right before it builds
     model = build_model_chunks(config, args.vocab_size, args.max_position_embeddings,
                                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)[0]
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"][0])
-    rollouts = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)[step]
+    iteration = 0
+    if spec["checkpoint"]:
+        state = torch.load(spec["checkpoint"], map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"][0])
+        iteration = state["iteration"]
+    rollouts = synthetic_rollouts(vocab_size=args.vocab_size, seed=args.seed)[spec["step"]]
 
     def forward_logits(ids):
         return model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0]
 
-    objective, weight = step_objective(forward_logits, rollouts, config_from_args(args))
-    objective.backward()
-    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
-    grad_norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))
+    tokens = []
+    with torch.no_grad():
+        for r in rollouts:
+            rows = torch.log_softmax(forward_logits(list(r.prompt_ids) + list(r.response_ids)).double(), dim=-1)
+            scored = rows[len(r.prompt_ids) - 1:len(r.prompt_ids) - 1 + len(r.response_ids)]
+            logp = scored.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            entropy = -(scored.exp() * scored).sum(-1)
+            tokens.append([logp.tolist(), entropy.tolist()])
+    variants = {}
+    for name, extra in spec.get("variants", {"": []}).items():
+        model.zero_grad(set_to_none=True)
+        objective, weight = step_objective(forward_logits, rollouts,
+                                           config_from_args(parser.parse_args([*spec["flags"], *extra])))
+        objective.backward()
+        grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+        variants[name] = {"objective": float(objective), "weight": weight,
+                          "grad_norm": float(torch.sqrt(sum((g * g).sum() for g in grads)))}
     with open(out_path, "w") as f:
-        json.dump({"objective": float(objective), "weight": weight, "grad_norm": grad_norm,
-                   "iteration": state["iteration"]}, f)
+        json.dump({"iteration": iteration, "tokens": tokens, "variants": variants}, f)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ padding tokens counted (valid_tokens, every mean).
 """
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -29,12 +28,14 @@ from megatron_pg_agg.core.losses import (
     POLICY_LOSSES,
     PGLossConfig,
     SequenceStatistic,
+    correction_values,
     pg_loss_sum,
     report_values,
 )
 from megatron_pg_agg.core.modes import MODES
 from megatron_pg_agg.data.planner import PlanConfig, plan_step
 from megatron_pg_agg.data.rollouts import Rollout
+from tests.support.reference import LossNumbers, reference_record, reference_tokens
 
 EPS_LOW, EPS_HIGH, DIVISOR, KL_COEF, ENTROPY_COEF = 0.2, 0.28, 12.0, 0.1, 0.01
 VOCAB = 64
@@ -66,76 +67,10 @@ def _step(seed: int = 3):
     return rollouts, current
 
 
-def _reference_tokens(r: Rollout, logp: list, policy: str) -> list:
-    """Per response token ``(pg, ratio, clipped)`` by the formulas of docs/policy-losses.md."""
-    x = [lp - o for lp, o in zip(logp, r.old_logprobs)]
-    num = [bool(m) for m in r.numerator_mask]
-    n_i = sum(num)
-    out = []
-    if policy == "gspo":
-        s_i = math.exp(sum(v for v, m in zip(x, num) if m) / n_i) if n_i else 1.0
-    if policy == "gmpo":
-        def m_of(j):
-            a = 1.0 if r.advantages[j] >= 0 else -1.0
-            return a * min(a * x[j], a * min(max(x[j], -EPS_LOW), EPS_HIGH))
-        ms = [m_of(j) for j in range(len(x))]
-        mean_m = sum(v for v, m in zip(ms, num) if m) / n_i if n_i else 0.0
-    for j, a in enumerate(r.advantages):
-        if policy in ("ppo", "gspo"):
-            ratio = math.exp(x[j]) if policy == "ppo" else s_i
-            clipped = -a * min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
-            out.append((max(-a * ratio, clipped), ratio, clipped > -a * ratio))
-        elif policy == "gmpo":
-            out.append((-a * math.exp(mean_m), math.exp(mean_m), ms[j] != x[j]))
-        else:  # cispo: -sg(clip(r)) A logp, whose value is -clip(r) A logp
-            ratio = math.exp(x[j])
-            w = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
-            out.append((-w * a * logp[j], ratio, w != ratio))
-    return out
-
-
-def _kl(logp: float, ref: float, estimator: str) -> float:
-    log_ratio = logp - ref
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio ** 2
-    return math.exp(-log_ratio) + log_ratio - 1.0
-
-
-def _reference(rollouts, current, mode: str, policy: str, estimator: str) -> dict:
-    """Every recorded number of the step, in float64 from the rollouts."""
-    seq_num, seq_den, groups = [], [], {}
-    clipped = ratio_sum = numerator = 0.0
-    kl_sum = entropy_sum = 0.0
-    for r, (logp, entropy) in zip(rollouts, current):
-        tokens = _reference_tokens(r, logp, policy)
-        seq_num.append(sum(pg for (pg, _, _), m in zip(tokens, r.numerator_mask) if m))
-        seq_den.append(sum(r.loss_mask))
-        for (_, ratio, was_clipped), m in zip(tokens, r.numerator_mask):
-            if m:
-                numerator += 1
-                ratio_sum += ratio
-                clipped += was_clipped
-        for j, d in enumerate(r.loss_mask):
-            if d:
-                kl_sum += _kl(logp[j], r.ref_logprobs[j], estimator)
-                entropy_sum += entropy[j]
-        num, den = groups.get(r.group_id, (0.0, 0))
-        groups[r.group_id] = (num + seq_num[-1], den + seq_den[-1])
-    tokens_d = sum(seq_den)
-    active = [i for i, d in enumerate(seq_den) if d > 0]
-    live = [num / den for num, den in groups.values() if den > 0]
-    pg_loss, weight = {
-        "token_mean": (sum(seq_num) / tokens_d, tokens_d),
-        "seq_mean": (sum(seq_num[i] / seq_den[i] for i in active) / len(active), len(active)),
-        "prompt_mean": (sum(live) / len(live), len(live)),
-        "constant": (sum(seq_num) / (len(active) * DIVISOR), len(active)),
-    }[mode]
-    kl, entropy = kl_sum / tokens_d, entropy_sum / tokens_d
-    return {"objective": pg_loss + KL_COEF * kl - ENTROPY_COEF * entropy, "pg_loss": pg_loss,
-            "clip_fraction": clipped / numerator, "ratio": ratio_sum / numerator, "kl": kl,
-            "entropy": entropy, "weight": weight, "valid_tokens": tokens_d}
+def _numbers(mode: str, policy: str, estimator: str = "k3", **extra) -> LossNumbers:
+    return LossNumbers(mode=mode, policy=policy, estimator=estimator, eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                       divisor=DIVISOR if mode == "constant" else None, kl_coef=KL_COEF,
+                       entropy_coef=ENTROPY_COEF, **extra)
 
 
 def _recorded(rollouts, current, cfg: PGLossConfig) -> dict:
@@ -169,7 +104,8 @@ def test_every_recorded_number_equals_the_float64_reference(mode, policy):
         cfg = PGLossConfig(mode=mode, divisor=DIVISOR if mode == "constant" else None, policy_loss=policy,
                            clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=KL_COEF, kl_estimator=estimator,
                            entropy_coef=ENTROPY_COEF)
-        got, want = _recorded(rollouts, current, cfg), _reference(rollouts, current, mode, policy, estimator)
+        got = _recorded(rollouts, current, cfg)
+        want = reference_record(rollouts, current, _numbers(mode, policy, estimator))
         assert (got["weight"], got["valid_tokens"]) == (want["weight"], want["valid_tokens"])
         for key in ("objective", "pg_loss", "clip_fraction", "ratio", "kl", "entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (mode, policy, estimator, key)
@@ -180,7 +116,8 @@ def test_the_three_kl_estimators_differ_on_this_step():
     """The control for the estimator parametrisation: k1, k2 and k3 give different kl values here,
     so an estimator flag that were ignored (always k3) would fail the test above."""
     rollouts, current = _step()
-    values = {est: _reference(rollouts, current, "token_mean", "ppo", est)["kl"] for est in KL_ESTIMATORS}
+    values = {est: reference_record(rollouts, current, _numbers("token_mean", "ppo", est))["kl"]
+              for est in KL_ESTIMATORS}
     assert len({round(v, 6) for v in values.values()}) == 3, values
 
 
@@ -197,7 +134,8 @@ def test_ppo_dual_clip_caps_negative_advantages_as_the_reference():
     num = clipped = 0
     pg_sum = 0.0
     for r, (logp, _) in zip(rollouts, current):
-        for (pg, _, was_clipped), a, m in zip(_reference_tokens(r, logp, "ppo"), r.advantages, r.numerator_mask):
+        tokens = reference_tokens(r, logp, "ppo", EPS_LOW, EPS_HIGH)
+        for (pg, _, was_clipped), a, m in zip(tokens, r.advantages, r.numerator_mask):
             dual = a < 0 and pg > -a * cap
             if m:
                 num += 1
@@ -209,3 +147,38 @@ def test_ppo_dual_clip_caps_negative_advantages_as_the_reference():
     plain = _recorded(rollouts, current, PGLossConfig(mode="token_mean", clip_eps_low=EPS_LOW,
                                                       clip_eps_high=EPS_HIGH, report_entropy=False))
     assert plain["pg_loss"] != pytest.approx(got["pg_loss"], rel=1e-3)  # the cap binds here
+
+
+CORRECTIONS = {"token_truncate": (1.1, 0.0), "token_mask": (1.1, 0.9), "sequence_truncate": (1.02, 0.0),
+               "sequence_mask": (1.05, 0.97)}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRECTIONS))
+def test_every_rollout_correction_matches_the_float64_reference(kind):
+    """Each correction, every mode x policy loss: the objective with the corrected PG terms
+    (weights on pg_t, masked tokens out of the numerator and out of gspo/gmpo's N_i), the
+    reported ratio and clip fraction over the corrected numerator, and the three correction
+    counts, against float64 sums of docs/policy-losses.md. Catches a weight applied to KL or
+    entropy, a truncation or mask bound off by one comparison, a sequence mean over the wrong
+    tokens, and the counts taken over the wrong mask."""
+    rollouts, current = _step()
+    rng = random.Random(11)
+    for r in rollouts:  # the engine's log-probs differ by up to ~0.2 per token, and by sequence
+        bias = rng.uniform(-0.08, 0.08)
+        r.rollout_logprobs = [o - bias - rng.uniform(-0.1, 0.1) for o in r.old_logprobs]
+    cap, floor = CORRECTIONS[kind]
+    for mode in MODES:
+        for policy in POLICY_LOSSES:
+            cfg = PGLossConfig(mode=mode, divisor=DIVISOR if mode == "constant" else None, policy_loss=policy,
+                               clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=KL_COEF,
+                               entropy_coef=ENTROPY_COEF, rollout_correction=kind, rollout_correction_max=cap,
+                               rollout_correction_min=floor)
+            plan = plan_step(rollouts, cfg, PlanConfig(dp_size=2, num_microbatches=2))
+            got = {**_recorded(rollouts, current, cfg), **correction_values(plan.correction_stats)}
+            want = reference_record(rollouts, current, _numbers(mode, policy, correction=(kind, cap, floor)))
+            assert (got["weight"], got["valid_tokens"]) == (want["weight"], want["valid_tokens"])
+            for key in ("objective", "pg_loss", "clip_fraction", "ratio", "kl", "entropy", "correction_masked",
+                        "correction_truncated", "correction_weight"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (kind, mode, policy, key)
+    # the case is exercised: the correction changes something on this step
+    assert want["correction_masked" if kind.endswith("mask") else "correction_truncated"] > 0, want

@@ -1,0 +1,57 @@
+"""Several trainer runs (launch/train_actor.py's ``main``) in one launch (test batching).
+
+    [torchrun --standalone --nproc_per_node N] -m tests.distributed.workers.trainer_runs RUNS.json RESULT.json
+
+RUNS.json is a list of ``{"name": ..., "argv": [...]}``. Each run goes through the command line's
+own ``main(argv)`` (what ``launch/train_actor.py`` exits with): its checks, process group, model,
+steps and close, which destroys the process group; the next run makes a new one on a new
+rendezvous port (a new group on torchrun's own store would read the old group's keys). Importing
+torch and megatron-core costs most of a 2-core launch; a run after that costs ~1 s. Rank 0 writes
+``{name: exit status}`` to RESULT.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+from megatron_pg_agg.training.cli import main
+
+
+def run_all(runs: list) -> dict:
+    status = {}
+    agent = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    for index, run in enumerate(runs):
+        if index and "RANK" in os.environ:
+            _fresh_rendezvous(agent, index)
+        print(f"[runs] {run['name']}", file=sys.stderr, flush=True)
+        try:
+            status[run["name"]] = main(list(run["argv"]))
+        except SystemExit as exc:  # argparse's usage errors
+            status[run["name"]] = exc.code if isinstance(exc.code, int) else 1
+    return status
+
+
+def _fresh_rendezvous(agent: tuple, index: int) -> None:
+    """Rank 0 picks a free port for run ``index`` and shares it through torchrun's store; rank 0
+    then hosts the run's own store there (as a launch without torchrun's agent would)."""
+    from torch.distributed import TCPStore
+
+    from megatron_pg_agg.megatron.parallel import free_port
+
+    store = TCPStore(agent[0], int(agent[1]), is_master=False, timeout=timedelta(seconds=120))
+    key = f"trainer_runs/{index}/port"
+    if os.environ["RANK"] == "0":
+        store.set(key, str(free_port()))
+    os.environ["MASTER_PORT"] = store.get(key).decode()
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
+if __name__ == "__main__":
+    runs_path, result_path = sys.argv[1], sys.argv[2]
+    with open(runs_path) as f:
+        status = run_all(json.load(f))
+    if os.environ.get("RANK", "0") == "0":
+        with open(result_path, "w") as f:
+            json.dump(status, f)
