@@ -24,6 +24,10 @@ Patches
     ``moe_aux_loss`` (:mod:`.moe_aux_loss`): MoE router aux/z losses keep Megatron's
     default strength under ``calculate_per_token_loss`` (token multiply off, a per-step factor
     ``W / M_total`` set by :func:`.moe_aux_loss.set_moe_aux_loss_scale`). Any device.
+    ``mtp_loss`` (:mod:`.mtp_loss`): the multi-token-prediction loss is a token mean over the
+    step's valid response tokens in every mode (a per-step factor ``W / D`` set by
+    :func:`.mtp_loss.set_mtp_loss_scale`, 0.17+'s local count ratio neutralised, packed
+    sequences rolled within their padded slots). megatron-core 0.16 to 0.19. Any device.
 
 Usage::
 
@@ -34,7 +38,7 @@ Usage::
 """
 from __future__ import annotations
 
-from . import _machinery, cpu_gloo, megatron_lm_cpu, megatron_lm_log, moe_aux_loss
+from . import _machinery, cpu_gloo, megatron_lm_cpu, megatron_lm_log, moe_aux_loss, mtp_loss
 from ._machinery import Patch, Target, is_applied
 
 __all__ = [
@@ -52,12 +56,14 @@ PATCHES: dict[str, Patch] = {
     megatron_lm_cpu.NAME: megatron_lm_cpu.PATCH,
     megatron_lm_log.NAME: megatron_lm_log.PATCH,
     moe_aux_loss.NAME: moe_aux_loss.PATCH,
+    mtp_loss.NAME: mtp_loss.PATCH,
 }
 """Every known patch, by name, in application order."""
 
 
 def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
-                           megatron_lm_log: bool = False, moe_aux_loss: bool = False) -> list[str]:
+                           megatron_lm_log: bool = False, moe_aux_loss: bool = False,
+                           mtp_loss: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -65,7 +71,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
     megatron-core and Megatron-LM unchanged by that patch.
     """
     wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
-              "moe_aux_loss": moe_aux_loss}
+              "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

@@ -107,6 +107,9 @@ class Patch:
     """Called after the stand-ins are in place and before the targets are resolved: checks the
     patched library's own release where its version is not a distribution's (a Megatron-LM
     checkout); raises to refuse the patch (the stand-ins are then removed again)."""
+    unsupported_reason: Optional[str] = None
+    """Why the project's releases outside ``supported`` cannot take the patch (said in the
+    refusal); None: the generic "re-verify before widening the range"."""
 
     def __post_init__(self) -> None:
         SpecifierSet(self.supported)  # fail at definition time on a malformed range
@@ -147,7 +150,7 @@ def check_version(patch: Patch) -> str:
     raise RuntimeError(
         f"patch {patch.name!r} supports megatron-core {patch.supported!r}, but megatron-core "
         f"{installed} is installed; nothing was patched. "
-        + (problem or "Re-verify the patch against this release before widening its range.")
+        + (problem or patch.unsupported_reason or "Re-verify the patch against this release before widening its range.")
     )
 
 

@@ -115,6 +115,7 @@ TORCH_PROXY_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, found_inf buffers
     "megatron.core.optimizer.clip_grads",  # grad-norm buffers
     "megatron.core.transformer.moe.router",  # Router.gating moves its weight to current_device()
+    "megatron.core.transformer.multi_token_prediction",  # the MTP loss tracker's buffer
 )
 _MOE_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"

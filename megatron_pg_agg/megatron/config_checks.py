@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from megatron_pg_agg.patches import moe_aux_loss
+from megatron_pg_agg.patches import moe_aux_loss, mtp_loss
 
 
 class MegatronConfigError(ValueError):
@@ -17,8 +17,9 @@ def check_megatron_config(config, ddp_config=None, *, backend: Optional[str] = N
     """Refuse configurations that break the exact objective, before any step runs.
 
     MoE: experts with a router aux/z loss need the ``moe_aux_loss`` patch (otherwise megatron-core
-    scales those losses by N_routed / W); multi-token prediction and experts with linear biases
-    are refused.
+    scales those losses by N_routed / W), and experts with linear biases are refused. Multi-token
+    prediction needs the ``mtp_loss`` patch (otherwise its loss is normalised by W instead of the
+    step's valid tokens) and a positive ``mtp_loss_scaling_factor``.
 
     ``config`` is the model's TransformerConfig (the one the schedule reads), ``ddp_config`` the
     DistributedDataParallelConfig, ``backend`` the torch.distributed backend (read from the
@@ -50,6 +51,7 @@ def check_megatron_config(config, ddp_config=None, *, backend: Optional[str] = N
             "batch_p2p_sync=False)."
         )
     problems.extend(_moe_problems(config))
+    problems.extend(_mtp_problems(config))
     if problems:
         raise MegatronConfigError("megatron_pg_agg cannot guarantee the objective:\n- " + "\n- ".join(problems))
 
@@ -60,15 +62,30 @@ def _router_loss_coefficients(config) -> list:
     return [c for c in (*coeffs, getattr(config, "moe_z_loss_coeff", None)) if c is not None]
 
 
-def _moe_problems(config) -> list:
-    """MoE and multi-token prediction settings check_megatron_config refuses."""
+def _mtp_problems(config) -> list:
+    """Multi-token prediction needs the mtp_loss patch (otherwise megatron-core normalises its
+    loss by the policy-gradient weight W) and a positive loss scaling factor."""
+    layers = getattr(config, "mtp_num_layers", None)
+    if not layers:
+        return []
     problems = []
-    if getattr(config, "mtp_num_layers", None):
+    if not mtp_loss.is_active():
         problems.append(
-            f"config.mtp_num_layers={config.mtp_num_layers}: multi-token prediction is not supported "
-            "yet (its loss has its own per-token scaling, not reconciled with the policy-gradient "
-            "weight). Set mtp_num_layers=None."
-        )
+            f"config.mtp_num_layers={layers} without the mtp_loss patch: megatron-core's MTP gradient "
+            "would be divided by the policy-gradient weight W instead of the step's valid tokens D "
+            "(D / W times too strong under seq_mean). Apply it (megatron_pg_agg.patches."
+            "apply_megatron_patches(mtp_loss=True); megatron-core 0.16 or newer) and call "
+            "begin_mtp_step / set_mtp_loss_scale(pg_weight, valid_tokens) every step.")
+    factor = getattr(config, "mtp_loss_scaling_factor", None)
+    if factor is None or not factor > 0:
+        problems.append(f"config.mtp_loss_scaling_factor={factor}: MTP needs a factor > 0 (Megatron's "
+                        "default is 0.1); drop MTP (mtp_num_layers=None) to train without it.")
+    return problems
+
+
+def _moe_problems(config) -> list:
+    """MoE settings check_megatron_config refuses."""
+    problems = []
     if not getattr(config, "num_moe_experts", None):
         return problems
     if (getattr(config, "calculate_per_token_loss", False) and not moe_aux_loss.is_active()

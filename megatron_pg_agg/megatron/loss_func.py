@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron_pg_agg.core.losses import (
     PGLossConfig,
@@ -27,6 +28,8 @@ from megatron_pg_agg.core.losses import (
     vocab_parallel_logprobs,
 )
 from megatron_pg_agg.data.planner import Microbatch
+
+from .mtp import MTP_REPORT_KEY, mtp_forward_kwargs, mtp_report_pair
 
 
 def packed_seq_params(mb: Microbatch):
@@ -43,11 +46,13 @@ def packed_seq_params(mb: Microbatch):
 
 
 def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_group, output_tensor,
-                 cp_group=None):
+                 cp_group=None, mtp_factor: Optional[float] = None):
     """Megatron loss_func: vocab-parallel logits ``[1, T, V/tp]`` -> ``(loss, count, report)``.
 
     ``cp_group``: the context-parallel group, over which gspo/gmpo complete their per-sequence
-    statistic (one all-reduce per microbatch; unused by ppo/cispo)."""
+    statistic (one all-reduce per microbatch; unused by ppo/cispo). ``mtp_factor``: the model's
+    ``mtp_loss_scaling_factor`` with multi-token prediction (the report then holds the
+    microbatch's ``mtp_loss`` pair, :func:`.mtp.mtp_report_pair`), else None."""
     logits = output_tensor[0]
     logprobs, entropy = vocab_parallel_logprobs(
         logits, mb.labels[0], tp_group=tp_group, with_entropy=loss_cfg.needs_entropy
@@ -57,18 +62,30 @@ def pg_loss_func(mb: Microbatch, loss_cfg: PGLossConfig, totals: StepTotals, tp_
         sequences = SequenceStatistic(mb.cu_seqlens_local, mb.seq_numerator_tokens, logprobs.numel(),
                                       cp_group=cp_group)
     loss, count, report = pg_loss_sum(logprobs, mb, totals, loss_cfg, entropy=entropy, sequences=sequences)
+    if mtp_factor is not None:
+        report[MTP_REPORT_KEY] = mtp_report_pair(mb, mtp_factor)
     return loss, count, report
 
 
 def forward_microbatch(model, mb: Microbatch):
     """GPTModel (one pipeline chunk) on one packed THD microbatch: vocab-parallel logits
-    ``[1, T, V/tp]`` on the last stage, the hidden state elsewhere (the input comes by p2p)."""
+    ``[1, T, V/tp]`` on the last stage, the hidden state elsewhere (the input comes by p2p).
+    With multi-token prediction the model also gets the labels and the denominator mask, from
+    which its MTP block attaches the MTP loss (:mod:`.mtp`); it still returns the logits."""
+    extra = mtp_forward_kwargs(model, mb) if get_model_config(model).mtp_num_layers else {}
     return model(
         input_ids=mb.tokens,
         position_ids=mb.position_ids,
         attention_mask=None,
         packed_seq_params=packed_seq_params(mb),
+        **extra,
     )
+
+
+def mtp_factor_of(model) -> Optional[float]:
+    """The model's ``mtp_loss_scaling_factor`` with multi-token prediction, else None."""
+    config = get_model_config(model)
+    return float(config.mtp_loss_scaling_factor) if config.mtp_num_layers else None
 
 
 def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=None, cp_group=None,
@@ -81,7 +98,7 @@ def make_forward_step(loss_cfg: PGLossConfig, totals: StepTotals, *, tp_group=No
         if device is not None:
             mb = mb.to(device)
         return forward_microbatch(model, mb), partial(pg_loss_func, mb, loss_cfg, totals, tp_group,
-                                                      cp_group=cp_group)
+                                                      cp_group=cp_group, mtp_factor=mtp_factor_of(model))
 
     return forward_step
 

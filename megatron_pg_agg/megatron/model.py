@@ -29,6 +29,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .mtp import mtp_block_spec, return_main_logits
 from .thd_attention import ThdDotProductAttention
 
 __all__ = [
@@ -150,11 +151,14 @@ def build_gpt(
 ) -> GPTModel:
     """A megatron-core ``GPTModel`` for one (virtual) pipeline stage; ``spec`` defaults to
     :func:`gpt_layer_spec` (MoE layers when ``config.num_moe_experts`` is set). Tied embeddings
-    with PP > 1 need the ``cpu_gloo`` patch on CPU."""
-    return GPTModel(
+    with PP > 1 need the ``cpu_gloo`` patch on CPU. With ``config.mtp_num_layers`` the last stage
+    holds megatron-core's MTP block for the same layer spec, and the model returns its main
+    head's logits when given labels (:mod:`.mtp`)."""
+    layer_spec = spec if spec is not None else gpt_layer_spec(num_experts=config.num_moe_experts)
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=(spec if spec is not None
-                                else gpt_layer_spec(num_experts=config.num_moe_experts)),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_block_spec(config, layer_spec, use_te=te_usable(), vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_seq_len,
         pre_process=pre_process,
@@ -163,6 +167,9 @@ def build_gpt(
         position_embedding_type=position_embedding_type,
         vp_stage=vp_stage,
     )
+    if config.mtp_num_layers:
+        return_main_logits(model)
+    return model
 
 
 def build_model_chunks(

@@ -21,12 +21,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig, report_values
 from megatron_pg_agg.data.planner import StepPlan
 
 from .loss_func import make_forward_step, run_schedule
 from .moe import begin_moe_step, router_loss_pairs
+from .mtp import MTP_REPORT_KEY, begin_mtp_step
 
 __all__ = ["StepGroups", "StepResult", "run_pg_step"]
 
@@ -67,17 +69,26 @@ class StepResult:
     """What one step's forward-backward reports, reduced over the whole step."""
 
     pairs: torch.Tensor
-    """float64 ``[len(REPORT_KEYS), 2]``: ``[sum, count]`` of each report key over the step's
-    microbatches and DP x CP, on every pipeline stage (shared from the last one)."""
+    """float64 ``[len(REPORT_KEYS), 2]`` (one more row with MTP): ``[sum, count]`` of each report
+    key over the step's microbatches and DP x CP, on every pipeline stage (shared from the last
+    one)."""
     router_pairs: Optional[torch.Tensor]
     """MoE: float64 ``[4, 2]`` router aux/z-loss ``[sum, count]`` pairs summed over the world
     (:func:`~megatron_pg_agg.megatron.moe.router_loss_pairs`); None without experts."""
+    mtp: bool = False
+    """Multi-token prediction: ``pairs`` has one more row, the ``mtp_loss`` pair
+    (:func:`~megatron_pg_agg.megatron.mtp.mtp_report_pair`)."""
 
     def values(self, pg_weight: int) -> dict:
         """``{report key: sum / count}`` (None for a key not computed), with ``objective = 0`` on
-        a ``W = 0`` step. One host sync."""
+        a ``W = 0`` step, and ``mtp_loss`` with MTP (None on a step without valid tokens). One
+        host sync."""
         sums = self.pairs.cpu().tolist()
-        return report_values({name: sums[i] for i, name in enumerate(REPORT_KEYS)}, pg_weight)
+        values = report_values({name: sums[i] for i, name in enumerate(REPORT_KEYS)}, pg_weight)
+        if self.mtp:
+            total, count = sums[len(REPORT_KEYS)]
+            values[MTP_REPORT_KEY] = total / count if count else None
+        return values
 
 
 def run_pg_step(
@@ -107,15 +118,19 @@ def run_pg_step(
         chunk.zero_grad_buffer()
     if experts:  # the router losses' per-step factor (host integers, no collective)
         begin_moe_step(plan.totals.pg_weight, len(mbs), len(plan.microbatches))
+    mtp = bool(get_model_config(model[0]).mtp_num_layers)
+    if mtp:  # the MTP loss's per-step factor W / D (host integers)
+        begin_mtp_step(plan.totals)
     if forward_step is None:
         forward_step = make_forward_step(loss_cfg, plan.totals, tp_group=groups.tensor,
                                          cp_group=groups.context, device=device)
     store = run_schedule(model, mbs, forward_step)
     # step-level reductions, never per microbatch
-    pairs = torch.zeros(len(REPORT_KEYS), 2, dtype=torch.float64, device=device)
+    keys = REPORT_KEYS + ((MTP_REPORT_KEY,) if mtp else ())
+    pairs = torch.zeros(len(keys), 2, dtype=torch.float64, device=device)
     if groups.is_last_stage:
         for report in store:
-            for i, name in enumerate(REPORT_KEYS):
+            for i, name in enumerate(keys):
                 if name in report:
                     pairs[i] += report[name].double()
     dist.all_reduce(pairs, group=groups.data_context)
@@ -125,4 +140,4 @@ def run_pg_step(
     if experts:
         router_pairs = router_loss_pairs(model, len(mbs), device=device)
         dist.all_reduce(router_pairs)
-    return StepResult(pairs=pairs, router_pairs=router_pairs)
+    return StepResult(pairs=pairs, router_pairs=router_pairs, mtp=mtp)
