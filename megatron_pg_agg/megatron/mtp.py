@@ -30,8 +30,8 @@ from megatron_pg_agg.core.losses import StepTotals
 from megatron_pg_agg.patches import mtp_loss
 
 __all__ = [
-    "MTP_REPORT_KEY", "begin_mtp_step", "clean_mtp_tracker", "mtp_block_spec", "mtp_forward_kwargs",
-    "mtp_report_pair", "return_main_logits",
+    "MTP_REPORT_KEY", "begin_mtp_step", "mtp_block_spec", "mtp_forward_kwargs", "mtp_report_pair",
+    "return_main_logits",
 ]
 
 MTP_REPORT_KEY = "mtp_loss"
@@ -82,19 +82,10 @@ def mtp_forward_kwargs(model, mb) -> dict:
 
 def begin_mtp_step(totals: StepTotals) -> None:
     """Once per step, before the schedule, on every rank: the MTP factor ``W / D`` from the step's
-    host integers, the recorded sums forgotten, and megatron-core's MTP loss tracker cleared (a
-    loop other than Megatron-LM's never reads it, and it would grow for ever)."""
+    host integers, and the recorded sums and megatron-core's MTP tracker emptied."""
     mtp_loss.take_attached_sum()
     mtp_loss.set_mtp_loss_scale(totals.pg_weight, totals.valid_tokens)
-    clean_mtp_tracker()
-
-
-def clean_mtp_tracker() -> None:
-    """Zero megatron-core's MTP loss tracker, if it holds anything (0.16's cleaner assumes it does;
-    0.19 renamed it)."""
-    if MTPLossLoggingHelper.tracker:
-        clean = getattr(MTPLossLoggingHelper, "clean_metrics_in_tracker", None)  # 0.19
-        (clean or MTPLossLoggingHelper.clean_loss_in_tracker)()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def mtp_report_pair(mb, factor: float) -> torch.Tensor:
@@ -104,4 +95,8 @@ def mtp_report_pair(mb, factor: float) -> torch.Tensor:
     that holds the MTP block; summed over the step's microbatches and DP x CP like every report
     pair, its value is the mean over depths of each depth's token-mean cross-entropy."""
     total = mtp_loss.take_attached_sum(device=mb.denominator_mask.device) / factor
+    # megatron-core's own MTP tracker is emptied: it holds per-microbatch means (sums under the
+    # patch on 0.17+), not the token mean, and Megatron-LM's reduction of it uses ReduceOp.AVG,
+    # which gloo lacks; this pair replaces it (Megatron-LM then logs no "mtp_k loss")
+    MTPLossLoggingHelper.tracker.clear()
     return torch.stack([total, mb.denominator_mask.sum().double()])

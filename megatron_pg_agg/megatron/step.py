@@ -81,13 +81,12 @@ class StepResult:
 
     def values(self, pg_weight: int) -> dict:
         """``{report key: sum / count}`` (None for a key not computed), with ``objective = 0`` on
-        a ``W = 0`` step, and ``mtp_loss`` with MTP (None on a step without valid tokens). One
-        host sync."""
+        a ``W = 0`` step, and with MTP ``mtp_loss`` as its ``[sum, count]`` pair (as the MoE
+        router losses are recorded). One host sync."""
         sums = self.pairs.cpu().tolist()
         values = report_values({name: sums[i] for i, name in enumerate(REPORT_KEYS)}, pg_weight)
         if self.mtp:
-            total, count = sums[len(REPORT_KEYS)]
-            values[MTP_REPORT_KEY] = total / count if count else None
+            values[MTP_REPORT_KEY] = sums[len(REPORT_KEYS)]
         return values
 
 

@@ -43,8 +43,9 @@ import torch.distributed as dist
 from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig, StepTotals, correction_values, report_values
 from megatron_pg_agg.data.planner import Microbatch, plan_step, policy_loss_notes
 from megatron_pg_agg.data.rollouts import PlanError
-from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log
+from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp_loss
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
+from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
 from .args import add_pg_agg_args, config_from_args
 from .logs import setup_logging
@@ -118,9 +119,10 @@ def add_actor_args(parser):
     return parser
 
 
-def startup_problems(args, *, cuda: bool) -> list:
+def startup_problems(args, *, cuda: bool, megatron_core: str) -> list:
     """Every problem in the parsed Megatron-LM flags that would make the objective wrong or the
-    run fail later; empty when the run may start. Pure: reads ``args`` only."""
+    run fail later, on the installed ``megatron_core`` release; empty when the run may start.
+    Pure: reads ``args`` only."""
     problems = []
     if not args.calculate_per_token_loss:
         problems.append(
@@ -144,8 +146,7 @@ def startup_problems(args, *, cuda: bool) -> list:
         problems.append("--ddp-average-in-collective averages gradients over DP before the division by "
                         "the global weight; drop it.")
     if args.mtp_num_layers:
-        problems.append("--mtp-num-layers (multi-token prediction) is not supported yet: its loss is a "
-                        "token sum per microbatch outside the chosen aggregation.")
+        problems.extend(_mtp_problems(args, megatron_core))
     if args.pg_skip_nonfinite_steps:
         problems.append("--pg-skip-nonfinite-steps belongs to launch/train_actor.py; in Megatron-LM a "
                         "non-finite loss or gradient is handled by its own --check-for-nan-in-loss-and-grad "
@@ -166,6 +167,20 @@ def startup_problems(args, *, cuda: bool) -> list:
         wrong = [fix for bad, fix in cpu_needs if bad]
         if wrong:
             problems.append("on CPU (no CUDA) Megatron-LM needs: " + "; ".join(wrong) + ".")
+    return problems
+
+
+def _mtp_problems(args, megatron_core: str) -> list:
+    """Multi-token prediction: megatron-core 0.16 or newer, a factor > 0, no ``--spec``."""
+    problems = []
+    if not in_range(megatron_core, mtp_loss.SUPPORTED):
+        problems.append(f"--mtp-num-layers: {mtp_loss.UNSUPPORTED_REASON} (installed: {megatron_core}).")
+    factor = args.mtp_loss_scaling_factor
+    if factor is None or not factor > 0:
+        problems.append(f"--mtp-loss-scaling-factor {factor}: multi-token prediction needs a factor > 0.")
+    if getattr(args, "spec", None) is not None:
+        problems.append("--spec with --mtp-num-layers: Megatron-LM's gpt_builders reads use_te only where "
+                        "--spec is not given and fails with an UnboundLocalError; drop --spec.")
     return problems
 
 
@@ -249,6 +264,9 @@ class Actor:
         self.moe = bool(args.num_experts)
         """Routers' aux/z losses keep Megatron's strength: patch ``moe_aux_loss``, factor per step."""
         self._moe_iteration = None
+        self.mtp = bool(args.mtp_num_layers)
+        """Multi-token prediction: patch ``mtp_loss``, factor ``W / D`` per step, ``mtp_loss`` reported."""
+        self._mtp_iteration = None
         self._first_logged: Optional[int] = None
 
     # Megatron-LM's model provider, with the THD core attention where TE is not used
@@ -267,7 +285,11 @@ class Actor:
         extra = {k: v for k, v in (("config", config), ("pg_collection", pg_collection))
                  if k in accepted or v is not None}
         model = model_provider(gpt_builder, pre_process, post_process, vp_stage, **extra)
-        use_thd_core_attention(model)
+        use_thd_core_attention(model)  # the MTP layer's attention too
+        if model.config.mtp_num_layers:
+            from megatron_pg_agg.megatron.mtp import return_main_logits
+
+            return_main_logits(model)
         return model
 
     def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
@@ -313,7 +335,7 @@ class Actor:
 
         from megatron.core import parallel_state as mpu
 
-        from megatron_pg_agg.megatron.loss_func import forward_microbatch, pg_loss_func
+        from megatron_pg_agg.megatron.loss_func import forward_microbatch, mtp_factor_of, pg_loss_func
 
         if not self._checked_config:
             self._check_config(model)
@@ -325,11 +347,17 @@ class Actor:
 
             begin_moe_step(item.totals.pg_weight, self.feed.plan_cfg.num_microbatches, self.feed.plan_cfg.dp_size)
             self._moe_iteration = item.iteration
+        if self.mtp and item.iteration != self._mtp_iteration:
+            # once per step, before its first forward (the factor is per step, as for MoE)
+            from megatron_pg_agg.megatron.mtp import begin_mtp_step
+
+            begin_mtp_step(item.totals)
+            self._mtp_iteration = item.iteration
         mb = item.microbatch.to("cuda") if self.cuda else item.microbatch
         output = forward_microbatch(model, mb)
         return output, partial(pg_loss_func, mb, self.loss_cfg, item.totals,
                                mpu.get_tensor_model_parallel_group(),
-                               cp_group=mpu.get_context_parallel_group())
+                               cp_group=mpu.get_context_parallel_group(), mtp_factor=mtp_factor_of(model))
 
     def _check_config(self, model) -> None:
         """The real model config and DDP config Megatron-LM built, checked before the first
@@ -352,15 +380,21 @@ class Actor:
 
         args = get_args()
         # Megatron-LM reduced each [sum, count] pair and divided: loss_dict holds sum / count
+        keys = REPORT_KEYS + (("mtp_loss",) if self.mtp else ())
         values = torch.tensor([float(event.loss_dict[k]) if k in event.loss_dict else math.nan
-                               for k in REPORT_KEYS], dtype=torch.float64,
+                               for k in keys], dtype=torch.float64,
                               device="cuda" if self.cuda else "cpu")
         dist.broadcast(values, src=dist.get_world_size() - 1)
         plan = self.feed.plan(event.iteration - 1)
         totals = plan.totals
-        present = {k: (v, 1.0) for k, v in zip(REPORT_KEYS, values.tolist()) if not math.isnan(v)}  # NaN: not reported
+        reduced = dict(zip(keys, values.tolist()))
+        present = {k: (reduced[k], 1.0) for k in REPORT_KEYS if not math.isnan(reduced[k])}  # NaN: not reported
         record = {"iteration": event.iteration, **report_values(present, totals.pg_weight),
                   **correction_values(plan.correction_stats)}
+        if self.mtp:  # as the trainer records it: [sum, count], the count being the step's D
+            mtp_value = reduced["mtp_loss"]
+            record["mtp_loss"] = ([mtp_value * totals.valid_tokens, float(totals.valid_tokens)]
+                                  if not math.isnan(mtp_value) else [0.0, 0.0])
         record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens,
                       rollout_step=self.feed.step_key(event.iteration - 1), grad_norm=event.grad_norm,
                       learning_rate=event.learning_rate, skipped=bool(event.skipped_iter))
@@ -369,6 +403,8 @@ class Actor:
             for key in ("weight", "valid_tokens", *REPORT_KEYS):
                 if record.get(key) is not None:
                     writer.add_scalar(f"pg/{key}", record[key], event.iteration)
+            if self.mtp and not math.isnan(reduced["mtp_loss"]):
+                writer.add_scalar("pg/mtp_loss", reduced["mtp_loss"], event.iteration)
         if dist.get_rank() != 0:
             return
         first = self._first_logged is None
@@ -378,6 +414,8 @@ class Actor:
             shown = " | ".join(f"{k} {record[k]:.6g}" for k in
                                ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm")
                                if record.get(k) is not None)
+            if self.mtp and not math.isnan(reduced["mtp_loss"]):
+                shown += f" | mtp_loss {reduced['mtp_loss']:.6g}"
             logger.info(f"iteration {event.iteration}/{args.train_iters} | {shown}")
         if self.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
@@ -414,11 +452,13 @@ def run(argv: list) -> int:
         raise StartupError(str(err)) from err
     sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv
     args = _parse_args(release)
-    problems = startup_problems(args, cuda=cuda)
+    problems = startup_problems(args, cuda=cuda, megatron_core=installed_megatron_core_version())
     if problems:
         raise StartupError(problems)
     if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
         apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
+    if args.mtp_num_layers:  # the MTP loss is a token mean over the step's valid tokens in every mode
+        apply_megatron_patches(cpu_gloo=False, mtp_loss=True)
 
     # the loss and data configs as launch/train_actor.py builds them (the parser checked the loss)
     loss_cfg, data = config_from_args(args), DataConfig.from_megatron_lm_args(args)

@@ -41,14 +41,15 @@ class MetricsLog:
             f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
             for k in ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
             if record.get(k) is not None)
-        moe = {k: v[0] / v[1] for k, v in record.items() if k.startswith("moe_") and isinstance(v, list) and v[1]}
-        shown += "".join(f" {k}={v:.4g}" for k, v in moe.items())
+        # [sum, count] pairs (MoE router losses, mtp_loss): shown and written as their value
+        pairs = {k: v[0] / v[1] for k, v in record.items() if isinstance(v, list) and len(v) == 2 and v[1]}
+        shown += "".join(f" {k}={v:.4g}" for k, v in pairs.items())
         logger.info(f"[{bar}] {it}/{self.total} {shown}")
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.tb:
-            for k, v in {**record, **moe}.items():
+            for k, v in {**record, **pairs}.items():
                 if isinstance(v, (int, float)) and k != "iteration":
                     self.tb.add_scalar(k, v, it)
 

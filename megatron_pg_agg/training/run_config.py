@@ -24,7 +24,8 @@ from typing import Optional
 from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.data.planner import PlanConfig
 from megatron_pg_agg.megatron.layout import ParallelSizes
-from megatron_pg_agg.versions import installed_megatron_core_version, release_problem
+from megatron_pg_agg.patches import mtp_loss
+from megatron_pg_agg.versions import in_range, installed_megatron_core_version, release_problem
 
 from .args import add_pg_agg_args, config_from_args
 
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient")
     moe.add_argument("--expert-model-parallel-size", type=int, default=1)
     moe.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    mtp = parser.add_argument_group("multi-token prediction (Megatron-style; docs/mtp.md)")
+    mtp.add_argument("--mtp-num-layers", type=int, default=None,
+                     help="MTP depths on the last pipeline stage (default: none)")
+    mtp.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                     help="f: the MTP loss is f x the mean over depths of each depth's token mean")
     batching = parser.add_argument_group("batching").add_mutually_exclusive_group()
     batching.add_argument("--max-tokens-per-microbatch", type=int, default=None)
     batching.add_argument("--num-microbatches", type=int, default=None,
@@ -163,6 +169,13 @@ class ModelConfig:
     """bf16 parameters and compute, fp32 gradients and optimizer (``--bf16``; CUDA only)."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts settings (dense when ``moe.num_experts`` is None)."""
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths K (``--mtp-num-layers``), on the last pipeline stage; None:
+    no MTP. Its loss is a token mean over the step's valid response tokens in every mode
+    (docs/mtp.md)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """f (``--mtp-loss-scaling-factor``): the MTP loss added to the objective's gradient is f x the
+    mean over depths of each depth's token-mean cross-entropy (Megatron's default 0.1)."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +350,7 @@ class RunConfig:
                 moe=MoEConfig(num_experts=ns.num_experts, router_topk=ns.moe_router_topk,
                               aux_loss_coeff=ns.moe_aux_loss_coeff, z_loss_coeff=ns.moe_z_loss_coeff,
                               token_dispatcher_type=ns.moe_token_dispatcher_type),
+                mtp_num_layers=ns.mtp_num_layers, mtp_loss_scaling_factor=ns.mtp_loss_scaling_factor,
             ),
             parallel=ParallelConfig(
                 tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size,
@@ -442,6 +456,7 @@ class RunConfig:
             problems.append("--bf16 needs CUDA: megatron-core's mixed-precision optimizer only wraps CUDA "
                             "bf16 parameters (run fp32 on CPU)")
         problems.extend(self._moe_problems(world_size, te=te))
+        problems.extend(self._mtp_problems())
         ckpt = self.checkpoint
         if ckpt.save_interval is not None and (ckpt.save_interval < 1 or not ckpt.save):
             problems.append("--save-interval needs --save and a value >= 1")
@@ -451,6 +466,21 @@ class RunConfig:
             problems.append(f"--load {ckpt.load}: no such directory")
         if self.data.rollouts and not os.path.isfile(self.data.rollouts):
             problems.append(f"--rollouts {self.data.rollouts}: no such file")
+        return problems
+
+    def _mtp_problems(self) -> list:
+        model = self.model
+        if model.mtp_num_layers is None:
+            changed = model.mtp_loss_scaling_factor != ModelConfig.mtp_loss_scaling_factor
+            return ["--mtp-loss-scaling-factor needs --mtp-num-layers"] if changed else []
+        problems = []
+        if model.mtp_num_layers < 1:
+            problems.append(f"--mtp-num-layers {model.mtp_num_layers} must be >= 1 (leave it out for no MTP)")
+        if not model.mtp_loss_scaling_factor > 0:
+            problems.append(f"--mtp-loss-scaling-factor {model.mtp_loss_scaling_factor} must be > 0")
+        if not in_range(installed_megatron_core_version(), mtp_loss.SUPPORTED):
+            problems.append(f"--mtp-num-layers: {mtp_loss.UNSUPPORTED_REASON} (installed: "
+                            f"{installed_megatron_core_version()})")
         return problems
 
     def _moe_problems(self, world_size: int, *, te: bool) -> list:

@@ -151,7 +151,9 @@ def setup(cfg: RunConfig) -> Session:
     par = cfg.parallel
     # cpu_gloo: CPU/gloo shim (MoE layers included); moe_aux_loss: router aux/z losses keep
     # Megatron's default strength under the per-token contract (patches/moe_aux_loss.py)
-    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled)
+    # mtp_loss: the MTP loss is a token mean over the step's valid tokens (patches/mtp_loss.py)
+    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled,
+                           mtp_loss=cfg.model.mtp_num_layers is not None)
     init_distributed(backend=backend, timeout_s=par.distributed_timeout_minutes * 60)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -197,6 +199,7 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
         variable_seq_lengths=par.pp > 1 and not cfg.uniform_microbatch_tokens,
         batch_p2p_comm=par.batch_p2p_comm,
         calculate_per_token_loss=par.calculate_per_token_loss,
+        mtp_num_layers=model_cfg.mtp_num_layers, mtp_loss_scaling_factor=model_cfg.mtp_loss_scaling_factor,
         **moe_kwargs,
     )
     torch.manual_seed(cfg.training.seed)

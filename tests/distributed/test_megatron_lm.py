@@ -12,9 +12,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
+from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 from tests.support.launching import ROOT, finish, kill_launch, run, start, torchrun, worker
 from tests.support.reference import reference_record
 
@@ -58,6 +60,10 @@ LAYOUTS = {
 }
 LAUNCH_S = 240
 TENSORBOARD_RUN = ("DP2", "prompt_mean")
+# Multi-token prediction (megatron-core 0.16+; 0.15 refuses it): one iteration per mode and layout
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
+       "--untie-embeddings-and-output-weights"]
+MTP_RELEASE = in_range(installed_megatron_core_version(), ">=0.16")
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +137,32 @@ def initial_checkpoint(checkout, work) -> Path:
 
 
 @pytest.fixture(scope="module")
-def layout_runs(checkout, work, initial_checkpoint) -> dict:
+def mtp_initial_checkpoint(checkout, work) -> Optional[Path]:
+    """As ``initial_checkpoint``, for a model with a 2-depth MTP block (None on 0.15)."""
+    if not MTP_RELEASE:
+        return None
+    ckpt = work / "mtp_init"
+    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, *MTP, "--train-iters", 1,
+                              "--save", ckpt, "--save-interval", 1), LAUNCH_S, "MTP initial checkpoint")
+    assert rc == 0, out[-20000:]
+    assert "[pg] iteration 1/1 | objective " in out and "| mtp_loss " in out, out[-5000:]
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def layout_runs(checkout, work, initial_checkpoint, mtp_initial_checkpoint) -> dict:
     """{(layout, mode): per-iteration records}: every mode under every layout, from the same
-    initial weights (``--load ... --finetune``: weights only, iteration 0, fresh optimizer)."""
+    initial weights (``--load ... --finetune``: weights only, iteration 0, fresh optimizer);
+    with MTP (0.16+) also ``(layout, "mtp-" + mode)``: one iteration of the MTP model."""
     records = {}
     for layout, (nproc, flags) in LAYOUTS.items():
         runs = []
+        for mode, extra in (MODES.items() if mtp_initial_checkpoint else ()):
+            runs.append({"name": f"mtp-{mode}", "argv": [
+                "--megatron-lm", str(checkout), *TINY, *LOSS, *MTP, *LAYOUT_OPTIMIZER, *flags,
+                "--train-iters", "1", "--load", str(mtp_initial_checkpoint), "--finetune",
+                "--pg-loss-aggregation", mode, *extra,
+                "--pg-metrics-file", str(work / f"{layout}_mtp-{mode}.jsonl")]})
         for mode, extra in MODES.items():
             metrics = work / f"{layout}_{mode}.jsonl"
             if (layout, mode) == TENSORBOARD_RUN:
@@ -147,9 +173,9 @@ def layout_runs(checkout, work, initial_checkpoint) -> dict:
                 "--load", str(initial_checkpoint), "--finetune",
                 "--pg-loss-aggregation", mode, *extra, "--pg-metrics-file", str(metrics)]})
         status, out = _batch(work, layout, nproc, runs)
-        assert status == {mode: 0 for mode in MODES}, out[-20000:]
-        for mode in MODES:
-            records[layout, mode] = _records(work / f"{layout}_{mode}.jsonl")
+        assert status == {run["name"]: 0 for run in runs}, out[-20000:]
+        for run_spec in runs:
+            records[layout, run_spec["name"]] = _records(work / f"{layout}_{run_spec['name']}.jsonl")
     return records
 
 
@@ -172,6 +198,35 @@ def test_every_layout_gives_the_same_objective_and_grad_norm(layout_runs):
                 assert _rel(ours["grad_norm"], ref["grad_norm"]) <= 1e-6, (where, ours, ref)
                 for key in ("kl", "entropy", "clip_fraction"):
                     assert _rel(ours[key], ref[key]) <= 1e-5, (where, key)
+
+
+def test_mtp_is_exact_across_layouts_in_every_mode(checkout, work, layout_runs):
+    """With a 2-depth MTP block (megatron-core 0.16+): DP=2, TP=2, PP=2 (MTP on the last stage)
+    and one rank with 4 microbatches give the same first step in every mode, objective and grad
+    norm (MTP parameters included) to 1e-6, and the same ``mtp_loss`` pair, whose count is the
+    step's valid tokens D in every mode (its normaliser is D, not W). On 0.15, which asserts MTP
+    on packed sequences, the real script refuses --mtp-num-layers with that reason (exit 2).
+    The MTP gradient against Megatron's own token-mean run: tests/unit/megatron/test_mtp.py."""
+    if not MTP_RELEASE:
+        rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, *MTP, "--train-iters", 1),
+                         LAUNCH_S, "MTP on 0.15")
+        assert rc == 2 and "refuses multi-token prediction with packed sequences" in out, out[-5000:]
+        return
+    worst = {}
+    for mode in MODES:
+        base = layout_runs["DP1x4mb", f"mtp-{mode}"][0]
+        total, count = base["mtp_loss"]
+        assert count == base["valid_tokens"] > 0 and 3.0 < total / count < 6.0, base  # ~ln(128) untrained
+        for layout in LAYOUTS:
+            (got,) = layout_runs[layout, f"mtp-{mode}"]
+            assert got["weight"] == base["weight"] and got["mtp_loss"][1] == count, (layout, mode)
+            for key, value, ref in (("objective", got["objective"], base["objective"]),
+                                    ("grad_norm", got["grad_norm"], base["grad_norm"]),
+                                    ("mtp_loss", got["mtp_loss"][0] / count, total / count)):
+                worst[key] = max(worst.get(key, 0.0), _rel(value, ref))
+                assert _rel(value, ref) <= 1e-6, (layout, mode, key, value, ref)
+        assert _rel(total, layout_runs["DP1x4mb", "mtp-token_mean"][0]["mtp_loss"][0]) <= 1e-6, mode
+    print("MTP, worst relative difference to 1 rank x 4 microbatches:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
 def test_the_flag_changes_the_objective(layout_runs):
@@ -264,7 +319,8 @@ def test_every_record_is_of_the_step_that_ran(layout_runs):
 
     steps = {k: _rollouts(k) for k in range(4)}
     assert len({reference_weight(steps[k], "token_mean") for k in steps}) == 4  # an off-by-one shows
-    for (layout, mode), records in layout_runs.items():
+    for (layout, name), records in layout_runs.items():
+        mode = name.removeprefix("mtp-")
         for r in records:
             step = (r["iteration"] - 1) % 4
             assert r["rollout_step"] == step, (layout, mode, r)

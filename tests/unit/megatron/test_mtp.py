@@ -24,7 +24,6 @@ from megatron_pg_agg.data.planner import PlanConfig, plan_step
 from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.megatron.loss_func import forward_microbatch, run_schedule
 from megatron_pg_agg.megatron.model import build_model_chunks, wrap_in_ddp
-from megatron_pg_agg.megatron.mtp import clean_mtp_tracker
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
 from megatron_pg_agg.megatron.step import StepGroups, run_pg_step
 from megatron_pg_agg.parity.models import tiny_transformer_config
@@ -199,7 +198,7 @@ def test_a_step_without_valid_tokens_has_zero_mtp_gradient(model):
     result = run_pg_step(model, plan, _loss_cfg("seq_mean"), StepGroups.from_parallel_state(), dp_rank=0)
     grads = _mtp_grads(model)
     assert torch.equal(grads, torch.zeros_like(grads))
-    assert result.values(0)["mtp_loss"] is None
+    assert result.values(0)["mtp_loss"] == [0.0, 0.0]
 
 
 def test_the_reported_mtp_loss_is_megatrons_per_depth_token_mean(model):
@@ -210,12 +209,14 @@ def test_the_reported_mtp_loss_is_megatrons_per_depth_token_mean(model):
 
     one = PlanConfig(dp_size=1, num_microbatches=1)
     _, result, plan = _ours(model, "prompt_mean", one)
-    reported = result.values(plan.totals.pg_weight)["mtp_loss"]
-    clean_mtp_tracker()
+    total, count = result.values(plan.totals.pg_weight)["mtp_loss"]
+    assert count == plan.totals.valid_tokens
+    reported = total / count
+    assert not MTPLossLoggingHelper.tracker  # emptied by the report (Megatron-LM's own log is replaced)
     _megatron_token_mean(model, one)
     tracker = MTPLossLoggingHelper.tracker
     per_depth = (tracker.get("loss_values") if "loss_values" in tracker else tracker["values"]).double()
-    clean_mtp_tracker()
+    tracker.clear()
     assert per_depth.shape == (K,) and bool((per_depth > 0).all())
     assert reported == pytest.approx(float(per_depth.mean()), rel=1e-5)
 

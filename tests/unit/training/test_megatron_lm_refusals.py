@@ -12,14 +12,15 @@ from megatron_pg_agg.training.megatron_lm import startup_problems
 
 VALID_CPU = dict(
     calculate_per_token_loss=True, dataloader_type="external", micro_batch_size=1, eval_iters=0,
-    train_iters=10, ddp_average_in_collective=False, mtp_num_layers=None, pg_skip_nonfinite_steps=False,
+    train_iters=10, ddp_average_in_collective=False, mtp_num_layers=None, mtp_loss_scaling_factor=0.1, spec=None,
+    pg_skip_nonfinite_steps=False,
     pg_rollouts=None, distributed_backend="gloo", transformer_impl="local", gradient_accumulation_fusion=False,
     no_persist_layer_norm=True, bf16=False, fp16=False, context_parallel_size=1, sequence_parallel=False,
 )
 
 
-def _problems(cuda=False, **changes):
-    return startup_problems(argparse.Namespace(**{**VALID_CPU, **changes}), cuda=cuda)
+def _problems(cuda=False, megatron_core="0.16.1", **changes):
+    return startup_problems(argparse.Namespace(**{**VALID_CPU, **changes}), cuda=cuda, megatron_core=megatron_core)
 
 
 def test_valid_flags_are_accepted_on_cpu_and_gpu():
@@ -28,6 +29,7 @@ def test_valid_flags_are_accepted_on_cpu_and_gpu():
                      gradient_accumulation_fusion=True, no_persist_layer_norm=False, bf16=True,
                      context_parallel_size=2, sequence_parallel=True) == []
     assert _problems(dataloader_type=None) == []  # unset: the entry sets external
+    assert _problems(mtp_num_layers=2) == [] and _problems(mtp_num_layers=2, megatron_core="0.19.2") == []
 
 
 @pytest.mark.parametrize("changes,needles", [
@@ -37,7 +39,10 @@ def test_valid_flags_are_accepted_on_cpu_and_gpu():
     (dict(eval_iters=5), ["--eval-iters 5", "--eval-iters 0"]),
     (dict(train_iters=None), ["--train-iters is required"]),
     (dict(ddp_average_in_collective=True), ["--ddp-average-in-collective"]),
-    (dict(mtp_num_layers=1), ["--mtp-num-layers"]),
+    (dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.0), ["--mtp-loss-scaling-factor 0.0", "> 0"]),
+    (dict(mtp_num_layers=1, spec=["x", "y"]), ["--spec with --mtp-num-layers", "UnboundLocalError"]),
+    (dict(mtp_num_layers=1, megatron_core="0.15.3"),
+     ["--mtp-num-layers", "refuses multi-token prediction with packed sequences", "0.15.3"]),
     (dict(pg_skip_nonfinite_steps=True), ["--pg-skip-nonfinite-steps", "--check-for-nan-in-loss-and-grad"]),
     (dict(pg_rollouts="/nonexistent/rollouts.jsonl"), ["--pg-rollouts /nonexistent/rollouts.jsonl: no such file"]),
 ])

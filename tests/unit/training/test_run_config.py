@@ -170,6 +170,9 @@ def test_every_field_of_the_tree_has_a_docstring():
     (["--save-interval", 2], 2, "--save-interval needs --save and a value >= 1"),
     (["--train-iters", 0], 2, "--train-iters must be >= 1"),
     (["--rollouts", "/nonexistent/steps.jsonl"], 2, "--rollouts /nonexistent/steps.jsonl: no such file"),
+    (["--mtp-num-layers", 0], 2, "--mtp-num-layers 0 must be >= 1"),
+    (["--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0], 2, "--mtp-loss-scaling-factor 0.0 must be > 0"),
+    (["--mtp-loss-scaling-factor", 0.2], 2, "--mtp-loss-scaling-factor needs --mtp-num-layers"),
 ])
 def test_each_trainer_refusal_alone(flags, world, expected):
     """One flag change, one problem, with the text that names the flag (the TE-dependent and
@@ -179,3 +182,14 @@ def test_each_trainer_refusal_alone(flags, world, expected):
     about_te = expected.startswith("--context-parallel-size > 1")
     problems = _cfg(*flags).startup_problems(world, backend="gloo", te=not about_te)
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_mtp_is_refused_on_megatron_core_0_15_with_the_reason(monkeypatch):
+    """megatron-core 0.15 asserts MTP on packed sequences: the trainer refuses --mtp-num-layers
+    there at start-up, naming why and the installed release; 0.16 accepts it. Catches the release
+    check reading another range than the mtp_loss patch's."""
+    assert _cfg("--mtp-num-layers", 2).startup_problems(2, backend="gloo", te=True) == []
+    monkeypatch.setattr(run_config, "installed_megatron_core_version", lambda: "0.15.3")
+    (problem,) = _cfg("--mtp-num-layers", 2).startup_problems(2, backend="gloo", te=True)
+    assert "refuses multi-token prediction with packed sequences" in problem and "0.15.3" in problem
+    assert _cfg().startup_problems(2, backend="gloo", te=True) == []  # no MTP: 0.15 is fine
