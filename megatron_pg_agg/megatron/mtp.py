@@ -30,8 +30,8 @@ from megatron_pg_agg.core.losses import StepTotals
 from megatron_pg_agg.patches import mtp_loss
 
 __all__ = [
-    "MTP_REPORT_KEY", "begin_mtp_step", "mtp_block_spec", "mtp_forward_kwargs", "mtp_report_pair",
-    "return_main_logits",
+    "MTP_REPORT_KEY", "begin_mtp_step", "mtp_block_spec", "mtp_forward_kwargs", "mtp_kwargs",
+    "mtp_report_pair", "return_main_logits",
 ]
 
 MTP_REPORT_KEY = "mtp_loss"
@@ -75,9 +75,16 @@ def mtp_forward_kwargs(model, mb) -> dict:
     """``GPTModel.forward`` keywords for MTP on microbatch ``mb``: its labels (next tokens) and
     its denominator mask as the label-aligned ``loss_mask`` (prompt tokens and padding are 0).
     ``model`` is a model chunk (DDP-wrapped or not) set up by :func:`return_main_logits`."""
+    return mtp_kwargs(model, mb.labels, mb.denominator_mask.unsqueeze(0).float())
+
+
+def mtp_kwargs(model, labels: torch.Tensor, loss_mask: torch.Tensor) -> dict:
+    """``GPTModel.forward`` keywords for MTP: ``labels`` ``[b, s]`` (next tokens) and the
+    label-aligned ``loss_mask`` ``[b, s]``; the model (set up by :func:`return_main_logits`) then
+    returns the main head's logits for exactly these labels."""
     gpt = get_attr_wrapped_model(model, _MAIN_LABELS, return_model_obj=True)
-    setattr(gpt, _MAIN_LABELS, mb.labels)
-    return {"labels": mb.labels, "loss_mask": mb.denominator_mask.unsqueeze(0).float()}
+    setattr(gpt, _MAIN_LABELS, labels)
+    return {"labels": labels, "loss_mask": loss_mask}
 
 
 def begin_mtp_step(totals: StepTotals) -> None:

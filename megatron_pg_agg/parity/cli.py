@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict
 
 from megatron_pg_agg.parity import __doc__ as PACKAGE_DOC
+from megatron_pg_agg.patches import mtp_loss
+from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
 from .fixture import DEFAULT_CASES, MODES, POLICY_LOSSES
 from .report import plot_errors, print_table
@@ -88,9 +90,13 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="echo the workers' output (rows as they finish)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch")
     args = parser.parse_args(argv)
+    mtp_release = in_range(installed_megatron_core_version(), mtp_loss.SUPPORTED)
+    if not mtp_release:
+        print(f"note: the MTP layouts are left out: {mtp_loss.UNSUPPORTED_REASON}", file=sys.stderr)
     cases = [case for case in DEFAULT_CASES
              if (args.layouts is None or any(s in case.name for s in args.layouts))
              and not (args.no_controls and case.expect_fail)
+             and (mtp_release or not case.mtp)
              and case.runs(args.modes, args.policy_losses)]
     if not cases:
         parser.error("no layout matches --layouts, --modes and --policy-losses")

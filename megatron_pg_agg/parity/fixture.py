@@ -20,6 +20,7 @@ MAX_SEQ_LEN = 64
 NUM_LAYERS = 4
 CONSTANT_DIVISOR = 16.0
 MOE_EXPERTS, MOE_TOPK, MOE_AUX_COEFF, MOE_Z_COEFF = 4, 2, 0.01, 1e-3
+MTP_LAYERS, MTP_FACTOR = 2, 0.3
 
 __all__ = ["CONSTANT_DIVISOR", "DEFAULT_CASES", "GRAD_RTOL", "MODES", "OBJECTIVE_RTOL", "POLICY_LOSSES",
            "ParityCase", "VOCAB", "loss_config", "parity_rollouts"]
@@ -56,6 +57,14 @@ class ParityCase:
     """Expert-parallel size (carved out of the DP ranks)."""
     dispatcher: str = "alltoall"
     """MoE token dispatcher: 'alltoall' or 'allgather'."""
+    mtp: bool = False
+    """Multi-token prediction: a ``MTP_LAYERS``-depth MTP block (factor ``MTP_FACTOR``, the
+    ``mtp_loss`` patch applied; megatron-core 0.16+). As for MoE, the layout's PG gradient is its
+    total gradient minus an MTP-only run's (advantages 0, KL and entropy off), checked against
+    the PG reference; the MTP-only gradient itself is checked against the MTP reference (every
+    response forwarded alone through Megatron's MTP block, scaled by 1 / D)."""
+    policy_losses: Optional[tuple] = None
+    """Policy losses the case runs with (None: every selected one)."""
     control: Optional[str] = None
     """Negative control: 'megatron_default_averaging' (calculate_per_token_loss=False),
     'per_microbatch_weights' (weights computed inside each rank's microbatch, not per step) or
@@ -80,8 +89,8 @@ class ParityCase:
 
     @property
     def model_kind(self) -> str:
-        """Which reference model the case compares with: 'per_token', 'moe' or 'gpt'."""
-        return "per_token" if self.per_token_model else "moe" if self.experts else "gpt"
+        """Which reference model the case compares with: 'per_token', 'moe', 'mtp' or 'gpt'."""
+        return "per_token" if self.per_token_model else "moe" if self.experts else "mtp" if self.mtp else "gpt"
 
     @property
     def uniform_tokens(self) -> bool:
@@ -96,6 +105,8 @@ class ParityCase:
         if self.expect_fail:
             policy_losses = [p for p in policy_losses if p in self.control_policy_losses]
             modes = [m for m in modes if self.control_modes is None or m in self.control_modes]
+        if self.policy_losses is not None:
+            policy_losses = [p for p in policy_losses if p in self.policy_losses]
         return [(p, m) for p in policy_losses for m in modes]
 
 
@@ -114,6 +125,10 @@ DEFAULT_CASES = (
     ParityCase("MoE DP=2 (allgather), 3 mb", dp=2, experts=MOE_EXPERTS, dispatcher="allgather",
                num_microbatches=3),
     ParityCase("MoE PP=2 (1F1B), 3 mb", pp=2, experts=MOE_EXPERTS, num_microbatches=3),
+    # the MTP term does not depend on the policy loss: ppo rows only
+    ParityCase("MTP DP=2, 3 mb", dp=2, num_microbatches=3, mtp=True, policy_losses=("ppo",)),
+    ParityCase("MTP TP=2, 3 mb", tp=2, num_microbatches=3, mtp=True, policy_losses=("ppo",)),
+    ParityCase("MTP PP=2 (1F1B), 3 mb", pp=2, num_microbatches=3, mtp=True, policy_losses=("ppo",)),
     ParityCase("control: Megatron default averaging, DP=2, 3 mb", dp=2, num_microbatches=3,
                control="megatron_default_averaging", control_modes=("token_mean",)),
     ParityCase("control: per-microbatch weights, DP=2, 3 mb", dp=2, num_microbatches=3,

@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_pg_agg.megatron.model import build_model_chunks, transformer_config
 
-from .fixture import MAX_SEQ_LEN, MOE_AUX_COEFF, MOE_TOPK, MOE_Z_COEFF, NUM_LAYERS, VOCAB
+from .fixture import MAX_SEQ_LEN, MOE_AUX_COEFF, MOE_TOPK, MOE_Z_COEFF, MTP_FACTOR, MTP_LAYERS, NUM_LAYERS, VOCAB
 
 TINY_SIZES = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
 """Sizes of every tiny model unless overridden: small enough for several gloo ranks on 2 cores."""
@@ -67,8 +67,10 @@ def build_case_model(case, *, per_token_loss: bool = True, router_losses: bool =
     """``(config, chunks)``: this rank's chunks of the case's model (GPT, MoE GPT or PerTokenLM)
     for the current ``parallel_state``, initialised from one seed (the same weights on every
     rank before :func:`load_full_state` puts the reference's in)."""
+    mtp = dict(mtp_num_layers=MTP_LAYERS, mtp_loss_scaling_factor=MTP_FACTOR) if case.mtp else {}
     config = tiny_transformer_config(
         **_moe_kwargs(case, router_losses),
+        **mtp,
         num_layers=NUM_LAYERS,
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,

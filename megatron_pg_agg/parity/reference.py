@@ -8,11 +8,15 @@ import math
 from typing import Optional
 
 import torch
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+from megatron_pg_agg.megatron.mtp import mtp_kwargs
+from megatron_pg_agg.patches.mtp_loss import set_mtp_loss_scale
 
 from .fixture import MOE_EXPERTS, ParityCase, loss_config
 from .models import build_case_model, load_full_state
 
-__all__ = ["reference", "step_objective"]
+__all__ = ["mtp_reference", "reference", "step_objective"]
 
 
 def _sequence_token_losses(policy: str, logp: dict, r, cfg, numerator: list) -> dict:
@@ -135,18 +139,16 @@ def reference(rollouts, mode: str, policy_loss: str, kind: str, full_state: Opti
     ``full_state``: the weights to use (the first call's model initialisation otherwise);
     ``state`` returns them, for the layouts to load."""
     cfg = loss_config(mode, policy_loss)
-    case = ParityCase("reference", experts=MOE_EXPERTS if kind == "moe" else 0, per_token_model=kind == "per_token")
-    _, chunks = build_case_model(case, router_losses=False)
-    model = chunks[0]
-    if full_state is not None:
-        load_full_state([model], full_state)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
-             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    model, state = _reference_model(kind, full_state)
     device = next(model.parameters()).device
+    if kind == "mtp":  # the PG objective only: the MTP block's loss gets a backward scale of 0
+        set_mtp_loss_scale(0, 0)  # (the patch refuses an MTP loss without a step factor)
+        MTPLossAutoScaler.main_loss_backward_scale = torch.zeros((), device=device)
 
     def forward_logits(ids):
         tokens = torch.tensor([ids], device=device)
-        return model(tokens, torch.arange(len(ids), device=device)[None], None)[0].cpu()
+        extra = _mtp_inputs(model, ids, [0] * len(ids), device) if kind == "mtp" else {}
+        return model(tokens, torch.arange(len(ids), device=device)[None], None, **extra)[0].cpu()
 
     objective, _ = step_objective(forward_logits, rollouts, cfg)
     if objective.requires_grad:
@@ -154,3 +156,49 @@ def reference(rollouts, mode: str, policy_loss: str, kind: str, full_state: Opti
     grads = {name: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).cpu().clone()
              for name, p in model.named_parameters()}
     return float(objective.detach()), grads, state
+
+
+def _reference_model(kind: str, full_state: Optional[dict]):
+    """The single-device model of ``kind`` with ``full_state``'s weights (the first build's own
+    initialisation when None), and those weights."""
+    case = ParityCase("reference", experts=MOE_EXPERTS if kind == "moe" else 0, per_token_model=kind == "per_token",
+                      mtp=kind == "mtp")
+    _, chunks = build_case_model(case, router_losses=False)
+    model = chunks[0]
+    if full_state is not None:
+        load_full_state([model], full_state)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return model, state
+
+
+def _mtp_inputs(model, ids: list, mask: list, device) -> dict:
+    """The MTP keywords of one unpacked sequence: its next tokens as labels (0 at the end) and
+    ``mask`` (label-aligned) as the loss mask."""
+    labels = torch.tensor([list(ids[1:]) + [0]], device=device)
+    return mtp_kwargs(model, labels, torch.tensor([mask], dtype=torch.float32, device=device))
+
+
+def mtp_reference(rollouts, full_state: dict) -> dict:
+    """The MTP term's gradient ``(f / K) sum_k sum_t d_k grad CE_k / D`` of the step, per
+    parameter, on the single-device MTP model: every response forwarded ALONE (one unpacked
+    row: no packing, planner, microbatches or padded roll) through megatron-core's MTP block with
+    its label-aligned mask (response token ``j`` scored at ``P + j - 1``), the attached loss's
+    backward scale set to ``1 / D`` by hand (``D``: the step's valid tokens), no policy-gradient
+    loss. Independent of the step factor, the report and the planner."""
+    model, _ = _reference_model("mtp", full_state)
+    device = next(model.parameters()).device
+    valid = sum(int(bool(d)) for r in rollouts for d in r.loss_mask)
+    set_mtp_loss_scale(valid, valid)  # the patch refuses an MTP loss without a step factor
+    # the backward scale set by hand on upstream's class attribute, not through the patch's
+    # set_loss_scale, so a wrong step factor there cannot reach this reference
+    MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / valid, device=device)
+    for r in rollouts:
+        ids = list(r.prompt_ids) + list(r.response_ids)
+        mask = [0] * (len(r.prompt_ids) - 1) + [int(bool(d)) for d in r.loss_mask] + [0]
+        tokens = torch.tensor([ids], device=device)
+        logits = model(tokens, torch.arange(len(ids), device=device)[None], None,
+                       **_mtp_inputs(model, ids, mask, device))
+        (logits * 0.0).sum().backward()  # only the attached MTP loss has a gradient
+    return {name: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).cpu().clone()
+            for name, p in model.named_parameters()}

@@ -10,7 +10,7 @@ from .fixture import DEFAULT_CASES, GRAD_RTOL, MODES, POLICY_LOSSES
 __all__ = ["REFERENCE_LABELS", "TABLE_HEADER", "find_markdown_table", "format_row", "markdown_table",
            "plot_errors", "print_table"]
 
-REFERENCE_LABELS = {"gpt": "", "per_token": " (per-token model)", "moe": " (MoE model)"}
+REFERENCE_LABELS = {"gpt": "", "per_token": " (per-token model)", "moe": " (MoE model)", "mtp": " (MTP model)"}
 """Suffix of the reference rows' layout label per model kind."""
 TABLE_HEADER = "| layout | policy loss | " + " | ".join(MODES) + " |"
 

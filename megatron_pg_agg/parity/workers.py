@@ -33,7 +33,7 @@ from megatron_pg_agg.patches import apply_megatron_patches
 
 from .fixture import GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, VOCAB, ParityCase, loss_config, parity_rollouts
 from .models import build_case_model, full_parameter_name, load_full_state, tp_rank_size_group
-from .reference import reference
+from .reference import mtp_reference, reference
 from .report import REFERENCE_LABELS, format_row
 
 __all__ = ["gather_full_grads", "run_case", "worker_main"]
@@ -85,37 +85,54 @@ def _groups(case: ParityCase):
     return replace(groups, context=None) if case.control == "no_cp_statistic_reduction" else groups
 
 
-def _subtract_router_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device) -> None:
-    """``main_grad -= `` the gradient of an aux-only run of the same step (advantages 0, KL and
-    entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving the
-    PG objective's gradient (the router losses add linearly; tests/distributed/test_moe.py checks that and
-    their strength)."""
+def _subtract_side_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device):
+    """``main_grad -= `` the gradient of a side-loss-only run of the same step (advantages 0, KL
+    and entropy off: the PG loss and its gradient are exactly 0 for every policy loss), leaving
+    the PG objective's gradient. The side losses (MoE router aux/z losses, the MTP loss) add
+    linearly; tests/distributed/test_moe.py checks the routers' strength. Returns the side-only
+    run's gathered full gradients with MTP (checked against the MTP reference), else None."""
 
     total = {id(p): p.main_grad.detach().clone() for chunk in model for p in chunk.module.parameters()}
     aux_rollouts = [replace(r, advantages=[0.0] * len(r.advantages)) for r in rollouts]
     aux_cfg = replace(cfg, kl_coef=0.0, entropy_coef=0.0)
     run_pg_step(model, _plan(case, aux_rollouts, aux_cfg, cp_rank), aux_cfg, groups, dp_rank=dp_rank,
-                experts=True, device=device)
+                experts=bool(case.experts), device=device)
+    side = gather_full_grads(model) if case.mtp else None
     with torch.no_grad():
         for chunk in model:
             for p in chunk.module.parameters():
                 p.main_grad.copy_(total[id(p)] - p.main_grad)
+    return side
 
 
-def _compare(case, policy, mode, objective, full, references, plan, step_s) -> dict:
-    ref_obj, ref_grads, _ = references[(case.model_kind, policy, mode)]
+def _grad_errors(full: dict, ref_grads: dict, where: str) -> dict:
+    """``{parameter: max |grad - ref| / max |ref|}`` over the reference's parameters."""
     missing = sorted(set(ref_grads) - set(full))
     if missing:
-        raise RuntimeError(f"{case.name}: no gradient gathered for {missing}")
-    errors = {
-        k: float((full[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-30))
-        for k in ref_grads
-    }
+        raise RuntimeError(f"{where}: no gradient gathered for {missing}")
+    return {k: float((full[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-30))
+            for k in ref_grads}
+
+
+def _compare(case, policy, mode, objective, full, references, plan, step_s, mtp_full=None) -> dict:
+    ref_obj, ref_grads, _ = references[(case.model_kind, policy, mode)]
+    if mtp_full is not None:
+        # the PG reference gives the MTP block no gradient (exactly 0 here too: total minus the
+        # MTP-only run); the MTP block is checked through the MTP-only run's gradient instead
+        ref_grads = {k: v for k, v in ref_grads.items() if not k.startswith("mtp.")}
+    errors = _grad_errors(full, ref_grads, case.name)
+    if mtp_full is not None:
+        mtp_errors = _grad_errors(mtp_full, references["mtp-only"], case.name)
+        errors.update({f"MTP-only {k}": v for k, v in mtp_errors.items()})
     worst = max(errors, key=errors.get)
     if os.environ.get("PG_AGG_PARITY_DEBUG"):
+        got_ref = {k: (full[k], v) for k, v in ref_grads.items()}
+        if mtp_full is not None:
+            got_ref.update({f"MTP-only {k}": (mtp_full[k], v) for k, v in references["mtp-only"].items()})
         for k in sorted(errors, key=errors.get)[-6:]:
-            print(f"  {k}: rel {errors[k]:.2e} ref max {float(ref_grads[k].abs().max()):.3e} "
-                  f"abs err {float((full[k] - ref_grads[k]).abs().max()):.3e}", flush=True)
+            got, ref = got_ref[k]
+            print(f"  {k}: rel {errors[k]:.2e} ref max {float(ref.abs().max()):.3e} "
+                  f"abs err {float((got - ref).abs().max()):.3e}", flush=True)
     obj_err = abs(objective - ref_obj) / max(abs(ref_obj), 1e-30)
     within = obj_err <= OBJECTIVE_RTOL and errors[worst] <= GRAD_RTOL
     return {
@@ -124,6 +141,17 @@ def _compare(case, policy, mode, objective, full, references, plan, step_s) -> d
         "expect_fail": case.expect_fail, "passed": within != case.expect_fail,
         "microbatch_balance": plan.stats["microbatch_balance"], "step_s": step_s,
     }
+
+
+def _gather_everywhere(grads: dict) -> dict:
+    """Every rank's gathered gradients merged on rank 0 (an embedding copy on two pipeline stages
+    holds the same all-reduced gradient on both)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    full = {}
+    for g in gathered:
+        full.update(g)
+    return full
 
 
 def run_case(case: ParityCase, rollouts, runs, full_states, references):
@@ -158,19 +186,16 @@ def run_case(case: ParityCase, rollouts, runs, full_states, references):
         result = run_pg_step(model, plan, cfg, groups, dp_rank=dp_rank, experts=bool(case.experts),
                              device=device, microbatches=mbs)
         step_s = time.perf_counter() - t0
-        if case.experts:
-            _subtract_router_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device)
+        mtp_grads = None
+        if case.experts or case.mtp:
+            mtp_grads = _subtract_side_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device)
         total, count = result.pairs[REPORT_KEYS.index("objective")].tolist()  # every stage has them
-        grads = gather_full_grads(model) if keep else {}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, grads)
+        full = _gather_everywhere(gather_full_grads(model) if keep else {})
+        mtp_full = _gather_everywhere(mtp_grads if keep else {}) if case.mtp else None
         if dist.get_rank() != 0:
             continue
         objective = total / count if count else 0.0
-        full = {}
-        for g in gathered:
-            full.update(g)
-        rows.append(_compare(case, policy, mode, objective, full, references, plan, step_s))
+        rows.append(_compare(case, policy, mode, objective, full, references, plan, step_s, mtp_full))
     teardown_parallel()
     return rows if dist.get_rank() == 0 else None
 
@@ -189,7 +214,7 @@ def worker_main(argv=None) -> int:
              for d in json.loads(args.cases_json)]
     # moe_aux_loss whenever a model has experts (router losses at Megatron's default strength)
     apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(),
-                           moe_aux_loss=any(case.experts for case in cases))
+                           moe_aux_loss=any(case.experts for case in cases), mtp_loss=any(case.mtp for case in cases))
     init_distributed()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -203,6 +228,8 @@ def worker_main(argv=None) -> int:
         obj, grads, state = reference(rollouts, mode, policy, kind, full_states.get(kind))
         full_states.setdefault(kind, state)
         references[(kind, policy, mode)] = (obj, grads, state)
+    if "mtp" in full_states:  # the MTP term's own reference gradient (mode-independent)
+        references["mtp-only"] = mtp_reference(rollouts, full_states["mtp"])
     teardown_parallel()
     rows = []
     for case in cases:
