@@ -85,3 +85,21 @@ def test_the_mtp_loss_is_the_same_in_every_mode(layout_records):
     first = pairs["token_mean"]
     for mode, pair in pairs.items():
         assert pair[1] == first[1] and _rel(pair[0], first[0]) <= 1e-6, (mode, pair, first)
+
+
+def test_the_mtp_roll_under_context_parallelism_stays_in_each_padded_slot(tmp_path):
+    """CP=2 on the loss side (the MTP block itself needs GPTModel, whose THD attention under CP
+    needs Transformer Engine): megatron-core's own roll of the labels and of the denominator mask
+    on the CP group, under the mtp_loss patch, equals a whole-sequence roll within each padded
+    slot, cut into the planner's CP chunks (written in the worker, the gathered tokens checked
+    against the rollouts), and the rolled mask's count summed over the CP ranks is the
+    reference's. As released, megatron-core rolls on the real lengths divided by CP and does not
+    (the control). Catches the patch's padded boundaries dropped, or applied only without CP."""
+    out = tmp_path / "cp_roll.json"
+    rc, log, _ = run(torchrun(2, *worker("mtp_cp_roll_worker"), out), 300, "MTP roll under CP=2")
+    assert rc == 0, log[-20000:]
+    result = json.loads(out.read_text())
+    assert result["tokens_ok"] and result["padding"], result  # the layout is as assumed; padding exists
+    assert result["patched"]["agree"], result
+    assert result["patched"]["count"] == result["patched_expected_count"] > 0, result
+    assert not result["released"]["agree"], result
