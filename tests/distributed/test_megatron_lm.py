@@ -60,6 +60,7 @@ LAYOUTS = {
 }
 LAUNCH_S = 240
 TENSORBOARD_RUN = ("DP2", "prompt_mean")
+MTP_TENSORBOARD_RUN = ("DP2", "mtp-seq_mean")
 # Multi-token prediction (megatron-core 0.16+; 0.15 refuses it): one iteration per mode and layout
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
        "--untie-embeddings-and-output-weights"]
@@ -158,6 +159,8 @@ def layout_runs(checkout, work, initial_checkpoint, mtp_initial_checkpoint) -> d
     for layout, (nproc, flags) in LAYOUTS.items():
         runs = []
         for mode, extra in (MODES.items() if mtp_initial_checkpoint else ()):
+            if (layout, f"mtp-{mode}") == MTP_TENSORBOARD_RUN:
+                extra = [*extra, "--tensorboard-dir", str(work / "tensorboard_mtp")]
             runs.append({"name": f"mtp-{mode}", "argv": [
                 "--megatron-lm", str(checkout), *TINY, *LOSS, *MTP, *LAYOUT_OPTIMIZER, *flags,
                 "--train-iters", "1", "--load", str(mtp_initial_checkpoint), "--finetune",
@@ -227,6 +230,14 @@ def test_mtp_is_exact_across_layouts_in_every_mode(checkout, work, layout_runs):
                 assert _rel(value, ref) <= 1e-6, (layout, mode, key, value, ref)
         assert _rel(total, layout_runs["DP1x4mb", "mtp-token_mean"][0]["mtp_loss"][0]) <= 1e-6, mode
     print("MTP, worst relative difference to 1 rank x 4 microbatches:", {k: f"{v:.1e}" for k, v in worst.items()})
+    # TensorBoard: Megatron-LM's own writer holds pg/mtp_loss, the record's sum / count
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work / "tensorboard_mtp"))
+    events.Reload()
+    (record,) = layout_runs[MTP_TENSORBOARD_RUN]
+    scalars = {e.step: e.value for e in events.Scalars("pg/mtp_loss")}
+    assert scalars == {1: pytest.approx(record["mtp_loss"][0] / record["mtp_loss"][1], rel=1e-6)}, scalars
 
 
 def test_the_flag_changes_the_objective(layout_runs):
