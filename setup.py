@@ -22,6 +22,9 @@ def _versions_constant(name: str) -> str:
 TORCH = _versions_constant("TORCH_REQUIREMENT")
 MEGATRON_CORE = "megatron-core" + _versions_constant("SUPPORTED_MEGATRON_CORE")
 MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic", "psutil"]
+# launch/train_rl_actor.py: what Megatron-LM's RL loop (megatron/rl, core_v0.19) imports at its top,
+# beyond the pretrain path. megatron-core 0.19 needs Python 3.12, so the test extra takes them there.
+MEGATRON_RL = ["wandb", "tqdm", "httpx", "openai", "fastapi", "uvicorn"]
 
 setup(
     name="megatron_pg_agg",
@@ -34,13 +37,15 @@ setup(
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
     extras_require={
         # tensorboard: the Megatron-LM tests read the event files Megatron-LM's writer makes
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", *MEGATRON_LM],
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", *MEGATRON_LM,
+                 *(f"{p}; python_version >= '3.12'" for p in MEGATRON_RL)],
         # .ci/run's lint step (configuration in pyproject.toml)
         "lint": ["ruff>=0.15,<0.18"],
         # launch/pretrain_actor.py: what Megatron-LM's training side (a user's checkout, not a
         # package) imports on the pretrain path, plus psutil for its torch_dist checkpoints. No
         # triton on CPU: the megatron_lm_cpu patch stands in for the one module that imports it.
         "megatron-lm": MEGATRON_LM,
+        "megatron-rl": MEGATRON_LM + MEGATRON_RL,
         # the parity command's --plot
         "plot": ["matplotlib"],
         # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package

@@ -28,6 +28,10 @@ Patches
     step's valid response tokens in every mode (a per-step factor ``W / D`` set by
     :func:`.mtp_loss.set_mtp_loss_scale`, 0.17+'s local count ratio neutralised, packed
     sequences rolled within their padded slots). megatron-core 0.16 to 0.19. Any device.
+    ``megatron_rl`` (:mod:`.megatron_rl`), Megatron-LM core_v0.19.x: the RL loop's rollout and
+    collection seams (the RL entry's replayed rollouts and planner), ``fp32_output`` dropped
+    where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran. Any device.
+    ``megatron_rl_cpu`` (:mod:`.megatron_rl_cpu`): the RL loop's data path on CPU. CPU-only.
 
 Usage::
 
@@ -38,7 +42,16 @@ Usage::
 """
 from __future__ import annotations
 
-from . import _machinery, cpu_gloo, megatron_lm_cpu, megatron_lm_log, moe_aux_loss, mtp_loss
+from . import (
+    _machinery,
+    cpu_gloo,
+    megatron_lm_cpu,
+    megatron_lm_log,
+    megatron_rl,
+    megatron_rl_cpu,
+    moe_aux_loss,
+    mtp_loss,
+)
 from ._machinery import Patch, Target, is_applied
 
 __all__ = [
@@ -57,13 +70,16 @@ PATCHES: dict[str, Patch] = {
     megatron_lm_log.NAME: megatron_lm_log.PATCH,
     moe_aux_loss.NAME: moe_aux_loss.PATCH,
     mtp_loss.NAME: mtp_loss.PATCH,
+    megatron_rl.NAME: megatron_rl.PATCH,
+    megatron_rl_cpu.NAME: megatron_rl_cpu.PATCH,
 }
 """Every known patch, by name, in application order."""
 
 
 def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
-                           mtp_loss: bool = False) -> list[str]:
+                           mtp_loss: bool = False, megatron_rl: bool = False,
+                           megatron_rl_cpu: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -71,7 +87,8 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
     megatron-core and Megatron-LM unchanged by that patch.
     """
     wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
-              "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss}
+              "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
+              "megatron_rl_cpu": megatron_rl_cpu}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

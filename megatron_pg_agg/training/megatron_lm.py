@@ -151,7 +151,7 @@ def startup_problems(args, *, cuda: bool, megatron_core: str) -> list:
         problems.append("--pg-skip-nonfinite-steps belongs to launch/train_actor.py; in Megatron-LM a "
                         "non-finite loss or gradient is handled by its own --check-for-nan-in-loss-and-grad "
                         "(on by default: the run stops) and, with fp16, by skipped iterations.")
-    if args.pg_rollouts is not None and not os.path.isfile(args.pg_rollouts):
+    if getattr(args, "pg_rollouts", None) is not None and not os.path.isfile(args.pg_rollouts):
         problems.append(f"--pg-rollouts {args.pg_rollouts}: no such file.")
     if not cuda:
         cpu_needs = [
@@ -372,6 +372,10 @@ class Actor:
             raise StartupError(str(err)) from err
         self._checked_config = True
 
+    def step_ran(self, iteration: int) -> tuple:
+        """``(plan, {record fields naming its data})`` of 0-based ``iteration``."""
+        return self.feed.plan(iteration), {"rollout_step": self.feed.step_key(iteration)}
+
     def on_training_log(self, event) -> None:
         """Every rank, every iteration: share the step's reduced report from the last pipeline
         stage (one small broadcast), then rank 0 prints, appends JSON, and the rank holding
@@ -385,7 +389,7 @@ class Actor:
                                for k in keys], dtype=torch.float64,
                               device="cuda" if self.cuda else "cpu")
         dist.broadcast(values, src=dist.get_world_size() - 1)
-        plan = self.feed.plan(event.iteration - 1)
+        plan, where = self.step_ran(event.iteration - 1)
         totals = plan.totals
         reduced = dict(zip(keys, values.tolist()))
         present = {k: (reduced[k], 1.0) for k in REPORT_KEYS if not math.isnan(reduced[k])}  # NaN: not reported
@@ -395,8 +399,7 @@ class Actor:
             mtp_value = reduced["mtp_loss"]
             record["mtp_loss"] = ([mtp_value * totals.valid_tokens, float(totals.valid_tokens)]
                                   if not math.isnan(mtp_value) else [0.0, 0.0])
-        record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens,
-                      rollout_step=self.feed.step_key(event.iteration - 1), grad_norm=event.grad_norm,
+        record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens, **where, grad_norm=event.grad_norm,
                       learning_rate=event.learning_rate, skipped=bool(event.skipped_iter))
         writer = get_tensorboard_writer()
         if writer and event.iteration % args.tensorboard_log_interval == 0:

@@ -2,8 +2,9 @@
 
     [torchrun --standalone --nproc_per_node N] -m tests.distributed.workers.megatron_lm_runs RUNS.json RESULT.json
 
-RUNS.json is a list of ``{"name": ..., "argv": [...]}``; each run goes through the entry point's
-own ``main(argv)`` (the same function ``launch/pretrain_actor.py`` exits with), then Megatron-LM's
+RUNS.json is a list of ``{"name": ..., "argv": [...]}`` (with ``"entry": "rl"``, a run of
+launch/train_rl_actor.py); each run goes through the entry point's own ``main(argv)`` (the same
+function ``launch/pretrain_actor.py`` or ``launch/train_rl_actor.py`` exits with), then Megatron-LM's
 ``destroy_global_state()`` resets its globals for the next run (the process group stays after a
 run that trained, as in Megatron-LM's in-process restart; a refusal destroys it, like the real
 script's exit does, and the next run's Megatron-LM initialisation makes a new one). Importing
@@ -15,7 +16,15 @@ from __future__ import annotations
 import json
 import sys
 
-from megatron_pg_agg.training.megatron_lm import main
+from megatron_pg_agg.training import megatron_lm
+
+
+def _main(entry: str):
+    if entry == "rl":
+        from megatron_pg_agg.training import megatron_rl  # needs megatron.rl: imported only for its runs
+
+        return megatron_rl.main
+    return megatron_lm.main
 
 
 def run_all(runs: list) -> dict:
@@ -23,7 +32,7 @@ def run_all(runs: list) -> dict:
     for run in runs:
         print(f"[runs] {run['name']}", file=sys.stderr, flush=True)
         try:
-            status[run["name"]] = main(list(run["argv"]))
+            status[run["name"]] = _main(run.get("entry", "pretrain"))(list(run["argv"]))
         except SystemExit as exc:  # argparse's usage errors; Megatron-LM's --exit-interval (0)
             status[run["name"]] = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         from megatron.training.training import destroy_global_state

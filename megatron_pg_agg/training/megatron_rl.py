@@ -1,0 +1,377 @@
+"""The policy-gradient actor inside Megatron-LM's own RL loop (train_rl.py, ``megatron/rl``).
+
+``launch/train_rl_actor.py`` is the torchrun entry point; this module holds its pieces. It runs
+what Megatron-LM's ``train_rl.py`` runs (its ``pretrain()`` with ``--perform-rl-step``), from a
+user's core_v0.19.x checkout, and keeps Megatron-LM's own:
+
+* environments, agents and inference engine (``--langrl-env-config``; or rollouts replayed from a
+  file, ``--pg-replay-rollouts``, :mod:`.rl_replay`);
+* group advantages, old and reference log-probs, ``--grpo-iterations`` passes, re-collection,
+  checkpoints (``--save``/``--load``), LR schedule, and its RL logging and TensorBoard metrics.
+
+The project supplies:
+
+* the step composition (:mod:`.rl_collection`): each optimizer step is ``--global-batch-size /
+  --grpo-group-size`` whole prompt groups, planned with the step weights computed before the
+  split (a shape that would cut a group across steps is refused at start-up, naming the flags);
+* the forward step and loss function of :mod:`megatron_pg_agg.megatron.loss_func` in place of
+  ``train_rl.forward_step`` / ``rl_utils.calculate_grpo_loss``: every ``--pg-loss-aggregation``
+  mode and ``--pg-policy-loss``;
+* Megatron-LM's own loss flags translated (:func:`translate_loss_flags`: clamp eps, KL beta, the
+  IS correction and its truncation), the translation printed once, or refused with the flag to use;
+* the ``[pg]`` line, ``--pg-metrics-file`` and ``pg/*`` TensorBoard scalars, as the pretrain entry.
+
+``--pg-loss-source megatron`` runs Megatron-LM's own data path and loss instead (for the peer
+cross-check and the benchmark): its records hold its reduced ``lm loss`` and grad norm.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, megatron_rl
+from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
+from megatron_pg_agg.versions import in_range, installed_megatron_core_version
+
+from .args import add_pg_agg_args, config_from_args
+from .logs import setup_logging
+from .megatron_lm import (
+    PG_PREFIX,
+    Actor,
+    PlannedMicrobatch,
+    _pretrain,
+    _single_process_defaults,
+    find_checkout,
+    startup_problems,
+    use_checkout,
+)
+from .rl_collection import CollectionPlanner, CollectionShape, RLStep, TokenizerView, shape_problems
+from .rl_replay import BUILTIN, ReplayError, ReplaySource, builtin_replay, load_replay
+from .run_config import StartupError
+from .worker_process import die_with_launcher, quiet_startup_noise, release_process_group
+
+logger = logging.getLogger(__name__)
+
+LOSS_SOURCES = ("pg", "megatron")
+RL_ARGS_DEFAULTS = {"dataloader_type": "external"}
+"""Megatron-LM ``args_defaults`` (they fill only flags left None)."""
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def add_rl_actor_args(parser):
+    """``extra_args_provider``: Megatron-LM's inference flags (as train_rl.py adds them), the
+    ``--pg-*`` loss flags and the entry's own."""
+    from megatron.inference.utils import add_inference_args
+
+    add_inference_args(parser)
+    add_pg_agg_args(parser)
+    group = parser.add_argument_group("policy-gradient RL actor (megatron_pg_agg)")
+    group.add_argument("--pg-replay-rollouts", default=None, metavar="FILE",
+                       help="replay recorded rollouts (JSON Lines, see megatron_pg_agg/training/rl_replay.py) "
+                            "in place of Megatron-LM's environments; 'builtin' for a small built-in set")
+    group.add_argument("--pg-loss-source", default="pg", choices=LOSS_SOURCES,
+                       help="pg (default): the project's planner and loss; megatron: Megatron-LM's own "
+                            "data path and calculate_grpo_loss (peer cross-check, benchmark)")
+    group.add_argument("--pg-metrics-file", default=None, metavar="FILE",
+                       help="append one JSON record per iteration (rank 0)")
+    group.add_argument("--megatron-lm", default=None, metavar="PATH", help="Megatron-LM checkout root")
+    # this entry is Megatron-LM's RL loop: --perform-rl-step is on (before validate_args reads it)
+    parser.set_defaults(eval_iters=0, eval_interval=1000, perform_rl_step=True)
+    return parser
+
+
+def _given(argv: list, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+# Megatron-LM flag -> the project's flag that takes its value (same meaning)
+TRANSLATED = (
+    ("--grpo-clamp-eps-lower", "grpo_clamp_eps_lower", "--pg-clip-eps", "pg_clip_eps"),
+    ("--grpo-clamp-eps-upper", "grpo_clamp_eps_upper", "--pg-clip-eps-high", "pg_clip_eps_high"),
+    ("--grpo-kl-beta", "grpo_kl_beta", "--pg-kl-coef", "pg_kl_coef"),
+)
+
+
+def translate_loss_flags(args, argv: list) -> tuple:
+    """Megatron-LM's RL loss flags onto the ``--pg-*`` ones, in place on ``args``; returns
+    ``(translations, problems)`` (lines to print once; refusals naming the flag to use).
+
+    A Megatron-LM flag counts whether given or at its default (a run of this entry without loss
+    flags trains Megatron-LM's defaults: clamp 0.01 / 0.01, KL beta 0.001 with k3). A ``--pg-*``
+    flag given explicitly wins when it agrees, and is refused when the Megatron-LM flag was given
+    too with another value."""
+    lines, problems = [], []
+    for ml_flag, ml_dest, pg_flag, pg_dest in TRANSLATED:
+        value = getattr(args, ml_dest)
+        if _given(argv, pg_flag):
+            if _given(argv, ml_flag) and getattr(args, pg_dest) != value:
+                problems.append(f"{ml_flag} {value} and {pg_flag} {getattr(args, pg_dest)} give one "
+                                f"quantity two values; give one of them")
+            continue
+        setattr(args, pg_dest, value)
+        lines.append(f"{ml_flag} {value}{'' if _given(argv, ml_flag) else ' (its default)'} -> {pg_flag} {value}")
+    if not _given(argv, "--pg-kl-coef") and args.pg_kl_estimator != "k3" and args.pg_kl_coef:
+        problems.append(f"--grpo-kl-beta weights Megatron-LM's k3 estimator (exp(ref - logp) - (ref - logp) "
+                        f"- 1); with --pg-kl-estimator {args.pg_kl_estimator} give --pg-kl-coef explicitly")
+    if args.grpo_entropy_term_weight:
+        problems.append(
+            f"--grpo-entropy-term-weight {args.grpo_entropy_term_weight}: Megatron-LM's entropy term is "
+            "-p log p of the sampled token alone; the project's --pg-entropy-coef weights the entropy of "
+            "the whole next-token distribution, another quantity. Use --pg-entropy-coef (or "
+            "--pg-loss-source megatron for Megatron-LM's own term).")
+    coef = args.rl_importance_sampling_truncation_coef
+    if args.rl_inference_logprobs_is_correction:
+        cap = coef if coef is not None else math.inf
+        if _given(argv, "--pg-rollout-correction") and args.pg_rollout_correction != "token_truncate":
+            problems.append(f"--rl-inference-logprobs-is-correction is Megatron-LM's token-level truncated "
+                            f"importance weight (token_truncate); --pg-rollout-correction "
+                            f"{args.pg_rollout_correction} is another correction: give one of them")
+        elif _given(argv, "--pg-rollout-correction-max") and args.pg_rollout_correction_max != cap:
+            problems.append(f"--rl-importance-sampling-truncation-coef {coef} and --pg-rollout-correction-max "
+                            f"{args.pg_rollout_correction_max} give the cap two values; give one of them")
+        else:
+            args.pg_rollout_correction, args.pg_rollout_correction_max = "token_truncate", cap
+            lines.append("--rl-inference-logprobs-is-correction"
+                         + (f" --rl-importance-sampling-truncation-coef {coef}" if coef is not None else "")
+                         + f" -> --pg-rollout-correction token_truncate --pg-rollout-correction-max {cap}")
+    elif coef is not None:
+        problems.append(f"--rl-importance-sampling-truncation-coef {coef} has no effect in Megatron-LM "
+                        "without --rl-inference-logprobs-is-correction; add it, or use --pg-rollout-correction")
+    return lines, problems
+
+
+def rl_startup_problems(args, argv: list, *, cuda: bool, megatron_core: str) -> list:
+    """Every problem of the parsed flags for this entry (after :func:`translate_loss_flags`)."""
+    problems = [p for p in startup_problems(args, cuda=cuda, megatron_core=megatron_core)
+                if not p.startswith("--mtp-num-layers")]
+    shape = collection_shape(args)
+    problems.extend(shape_problems(shape))
+    if args.rl_use_sequence_packing:
+        problems.append(
+            "--rl-use-sequence-packing: Megatron-LM's packer sorts sequences by length across the whole "
+            "collection (groups land in arbitrary steps) and advances the learning rate by bins, not "
+            "sequences (Megatron-LM #3078); the RL entry gives every sequence its own THD microbatch, "
+            "exactly as Megatron-LM counts samples. Drop the flag.")
+    if args.grpo_filter_groups_with_same_reward:
+        problems.append("--grpo-filter-groups-with-same-reward: Megatron-LM core_v0.19 asserts it is not "
+                        "supported (megatron/rl/agent/api.py); drop it.")
+    if args.num_experts:
+        problems.append("--num-experts: MoE is not yet supported by the RL entry (the routers' losses in "
+                        "Megatron-LM's log-prob passes are not checked); use launch/pretrain_actor.py.")
+    if args.mtp_num_layers:
+        problems.append("--mtp-num-layers: Megatron-LM's RL loop calls the model without labels, so an MTP "
+                        "block would train on every token; not supported by the RL entry.")
+    if args.context_parallel_size > 1 and cuda:
+        problems.append("--context-parallel-size > 1: not yet supported by the RL entry.")
+    if args.pg_replay_rollouts is None and not args.langrl_env_config:
+        problems.append("no rollouts: give Megatron-LM's --langrl-env-config (its environments and inference "
+                        "engine, GPU) or --pg-replay-rollouts FILE|builtin.")
+    if args.pg_replay_rollouts not in (None, BUILTIN) and not os.path.isfile(args.pg_replay_rollouts):
+        problems.append(f"--pg-replay-rollouts {args.pg_replay_rollouts}: no such file.")
+    if args.pg_loss_source == "megatron":
+        pg_given = sorted({a.split("=")[0] for a in argv if a.startswith("--pg-")} - {
+            "--pg-loss-source", "--pg-replay-rollouts", "--pg-metrics-file"})
+        if pg_given:
+            problems.append(f"--pg-loss-source megatron runs Megatron-LM's own loss; {', '.join(pg_given)} "
+                            "would be ignored: drop them (Megatron-LM's --grpo-* flags apply).")
+    return problems
+
+
+def collection_shape(args) -> CollectionShape:
+    return CollectionShape(prompts=args.grpo_prompts_per_step, group_size=args.grpo_group_size,
+                           global_batch=args.global_batch_size, passes=args.grpo_iterations)
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class RLActor(Actor):
+    """The pretrain entry's actor (model provider with the THD hook, forward step, loss function,
+    log line, metrics), fed by the collection planner instead of a rollout file."""
+
+    datasets_provider = None  # Megatron-LM's RL loop builds no dataset (train_rl.py passes None)
+
+    def __init__(self, args, *, cuda: bool, loss_cfg: PGLossConfig):
+        super().__init__(args, {}, cuda=cuda, loss_cfg=loss_cfg, data=None)
+        self.shape = collection_shape(args)
+        self.planner = CollectionPlanner(loss_cfg, self.shape, cuda=cuda, on_step=self._on_step, items=self._items)
+        self._ran: dict = {}
+
+    def _on_step(self, iteration: int, step: RLStep) -> None:
+        from megatron.rl.rl_utils import get_rl_runtime_state
+
+        self._ran[iteration] = step
+        for old in [i for i in self._ran if i < iteration - 4]:
+            del self._ran[old]
+        get_rl_runtime_state().sequences_this_iteration_on_rank = 0
+
+    def _items(self, plan, iteration: int, dp_rank: int):
+        for mb in plan.for_rank(dp_rank):
+            yield PlannedMicrobatch(mb, plan.totals, iteration)
+
+    def step_ran(self, iteration: int) -> tuple:
+        step = self._ran[iteration]
+        return step.plan, {"collection": step.collection, "rollout_step": step.step, "grpo_pass": step.grpo_pass}
+
+
+class MegatronLossObserver:
+    """``--pg-loss-source megatron``: rank 0 records Megatron-LM's reduced RL report per iteration."""
+
+    KEYS = ("lm loss", "rl/kl_term", "rl/pi_over_pi_old", "rl/entropy_term")
+
+    def __init__(self, metrics_path: Optional[str]):
+        self.metrics_path = metrics_path
+
+    def __call__(self, event) -> None:
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return
+        record = {"iteration": event.iteration, "grad_norm": event.grad_norm, "learning_rate": event.learning_rate,
+                  **{k: float(event.loss_dict[k]) for k in self.KEYS if k in event.loss_dict}}
+        logger.info(f"iteration {event.iteration} | megatron lm loss {record.get('lm loss', math.nan):.6g} | "
+                    f"grad_norm {event.grad_norm:.6g}")
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def megatron_forward_step(cuda: bool):
+    """Megatron-LM's own ``train_rl.forward_step`` (its loss function and ``calculate_grpo_loss``),
+    on CPU with ``Tensor.cuda()`` as the identity around it and around its loss function."""
+    import train_rl  # the checkout's; importing it reconfigures the root logger (ours does not propagate)
+
+    if cuda:
+        return train_rl.forward_step
+    from functools import partial
+
+    from megatron_pg_agg.patches._cpu_torch import _TensorCudaIsIdentity
+
+    def on_cpu(fn):
+        def call(*args, **kwargs):
+            with _TensorCudaIsIdentity():
+                return fn(*args, **kwargs)
+        return call
+
+    def forward_step(data_iterator, model, loss_only: bool = False):
+        output, loss_func = on_cpu(train_rl.forward_step)(data_iterator, model, loss_only)
+        return output, partial(on_cpu(loss_func))
+
+    return forward_step
+
+
+def megatron_collection(original):
+    """Megatron-LM's own ``prepare_data_for_update``, with the tokenizer's missing bos read as None."""
+    def prepare(**kwargs):
+        return original(**{**kwargs, "tokenizer": TokenizerView(kwargs["tokenizer"])})
+
+    return prepare
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _replay_source(args):
+    if args.pg_replay_rollouts is None:
+        return None
+    if args.pg_replay_rollouts == BUILTIN:
+        def make_groups(tokenizer):
+            view = TokenizerView(tokenizer)
+            return builtin_replay(num_groups=args.grpo_prompts_per_step, group_size=args.grpo_group_size,
+                                  seq_length=args.seq_length, eod=view.eod, pad=view.pad,
+                                  bos=None if args.rl_skip_bos_token else view.bos, seed=args.seed)
+
+        return ReplaySource(make_groups=make_groups)
+    groups = load_replay(args.pg_replay_rollouts, group_size=args.grpo_group_size,
+                         vocab_size=args.vocab_size or 2**31, seq_length=args.seq_length)
+    return ReplaySource(groups)
+
+
+def run(argv: list) -> int:
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    root = find_checkout(argv)
+    use_checkout(root)
+    core = installed_megatron_core_version()
+    if not in_range(core, megatron_rl.SUPPORTED):
+        raise StartupError(f"megatron-core {core}: {megatron_rl.UNSUPPORTED_REASON}.")
+    try:
+        apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True,
+                               megatron_rl=True, megatron_rl_cpu=not cuda)
+        release = check_checkout()
+    except (UnsupportedMegatronLM, RuntimeError) as err:
+        raise StartupError(str(err)) from err
+    sys.argv = [sys.argv[0], *argv]
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=add_rl_actor_args, args_defaults=RL_ARGS_DEFAULTS)
+    problems = []
+    translations = []
+    if args.pg_loss_source == "pg":
+        translations, problems = translate_loss_flags(args, argv)
+    problems += rl_startup_problems(args, argv, cuda=cuda, megatron_core=core)
+    try:
+        source = _replay_source(args) if not problems else None
+    except ReplayError as err:
+        problems.append(str(err))
+    if problems:
+        raise StartupError(problems)
+    for line in translations:
+        logger.info(f"loss flag: {line}")
+
+    if args.pg_loss_source == "megatron":
+        observer = MegatronLossObserver(args.pg_metrics_file)
+        forward_step = megatron_forward_step(cuda)
+        setup_logging(PG_PREFIX)
+        from megatron.rl import rl_utils
+
+        planner = megatron_collection(rl_utils.prepare_data_for_update.__wrapped__)
+        actor = None
+    else:
+        loss_cfg = config_from_args(args)  # the translated flags, checked where the config is built
+        actor = RLActor(args, cuda=cuda, loss_cfg=loss_cfg)
+        observer, forward_step, planner = actor.on_training_log, actor.forward_step, actor.planner
+    megatron_rl.set_rollout_source(source)
+    megatron_rl.set_collection_planner(planner)
+    megatron_lm_log.add_observer(observer)
+    try:
+        _pretrain(release, args, actor or _MegatronLossActor(forward_step))
+    finally:
+        megatron_lm_log.remove_observer(observer)
+        megatron_rl.set_rollout_source(None)
+        megatron_rl.set_collection_planner(None)
+    return 0
+
+
+class _MegatronLossActor:
+    """The providers of a ``--pg-loss-source megatron`` run: Megatron-LM's own forward step."""
+
+    datasets_provider = None
+
+    def __init__(self, forward_step):
+        self.forward_step = forward_step
+        self.model_provider = Actor.model_provider.__get__(self)
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging(PG_PREFIX)
+    quiet_startup_noise()
+    die_with_launcher()
+    _single_process_defaults()
+    try:
+        return run(argv)
+    except StartupError as err:
+        logger.error(str(err))
+        release_process_group()
+        return 2

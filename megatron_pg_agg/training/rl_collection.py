@@ -1,0 +1,304 @@
+"""A rollout collection of Megatron-LM's RL loop, cut into the project's optimizer steps.
+
+Megatron-LM's ``rl_utils.prepare_data_for_update`` flattens a collection's prompt groups into rows,
+gives each DP rank a contiguous slice and trains ``--global-batch-size`` rows per optimizer step,
+so a group can straddle two steps or two ranks, and nothing downstream knows where a sequence or a
+group begins. :class:`CollectionPlanner` takes that function's place (registered through
+``patches.megatron_rl.set_collection_planner``) and keeps every part that is Megatron-LM's:
+
+* the group advantages: ``compute_group_stats`` (``(r - mean_g) / (1e-4 + std_g)``), and its stats
+  for Megatron-LM's own RL logging;
+* the trajectories: ``prepare_trajectories`` (padding, its bos/eod checks) and the position ids of
+  ``get_ltor_masks_and_position_ids``;
+* the old and reference log-probs: ``compute_logprobs_batch`` through Megatron's forward-only
+  schedule, the reference weights loaded from ``ref_state_dict`` and restored, each DP rank
+  computing a contiguous slice of the rows (as Megatron-LM does), then gathered;
+* the inference log-probs aligned by ``align_unpacked_inference_logprobs`` (and its mismatch stats).
+
+What changes is the step composition. With ``P`` prompts of ``G`` rollouts per collection and
+``B = --global-batch-size`` sequences per optimizer step (``B`` a multiple of ``G`` and ``P * G`` a
+multiple of ``B``, checked at start-up by :func:`shape_problems`), optimizer step ``k`` of a pass is
+groups ``k * B/G .. (k+1) * B/G - 1``, whole; it is planned by
+:func:`~megatron_pg_agg.data.planner.plan_step` (the step weights before the split, THD
+microbatches) into ``B / DP`` microbatches per DP rank, one sequence each, as Megatron-LM's own
+unpacked path counts them (so its learning-rate schedule and sample counts stay right). The
+``--grpo-iterations`` passes repeat the steps in order with the collection's old log-probs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.planner import PlanConfig, StepPlan, plan_step
+from megatron_pg_agg.data.rollouts import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CollectionShape:
+    """How one collection becomes optimizer steps (Megatron-LM's flags; host integers)."""
+
+    prompts: int
+    """``--grpo-prompts-per-step``: prompt groups per collection."""
+    group_size: int
+    """``--grpo-group-size``: rollouts per group."""
+    global_batch: int
+    """``--global-batch-size``: sequences per optimizer step."""
+    passes: int
+    """``--grpo-iterations``: passes over each collection."""
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.global_batch // self.group_size
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per pass."""
+        return self.prompts * self.group_size // self.global_batch
+
+
+def shape_problems(shape: CollectionShape) -> list:
+    """Why a collection of this shape would cut a prompt group across optimizer steps (empty: none)."""
+    p, g, b = shape.prompts, shape.group_size, shape.global_batch
+    problems = []
+    if b % g:
+        whole = [m for m in (b - b % g, b - b % g + g) if m > 0]
+        problems.append(
+            f"--global-batch-size {b} is not a multiple of --grpo-group-size {g}: an optimizer step "
+            f"would hold part of a prompt group and the next step the rest (prompt_mean is undefined "
+            f"there, and every mode's step weight would count a group twice). Use a multiple of {g} "
+            f"(e.g. --global-batch-size {' or '.join(map(str, whole))}) or change --grpo-group-size.")
+    elif (p * g) % b:
+        problems.append(
+            f"--grpo-prompts-per-step {p} x --grpo-group-size {g} = {p * g} sequences per collection is "
+            f"not a multiple of --global-batch-size {b}: Megatron-LM's loop would then train some "
+            f"groups twice a pass and split others at the collection's end. Use --grpo-prompts-per-step "
+            f"a multiple of {b // g}.")
+    return problems
+
+
+def first_generated(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]``: the index of each row's first generated token (``mask`` bool ``[N, S]``)."""
+    return mask.int().argmax(dim=1)
+
+
+def step_batches(*, tokens: torch.Tensor, generation_mask: torch.Tensor, lengths: torch.Tensor, pad: int,
+                 advantages: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: Optional[torch.Tensor],
+                 rollout_logprobs: Optional[torch.Tensor], shape: CollectionShape) -> list:
+    """The collection's optimizer steps as :class:`RolloutBatch` es (host tensors).
+
+    Row ``i`` (group-major: rows ``g*G .. g*G + G - 1`` are group ``g``) holds ``lengths[i]`` tokens
+    of ``tokens[i]``; its prompt is the tokens before its first generated one, its response the rest.
+    The loss mask is Megatron-LM's: generated, and not the pad id (its
+    ``get_ltor_masks_and_position_ids(pad_mask_loss=True)`` masks every token equal to the pad id,
+    so with a tokenizer whose pad is its eod the eod is not trained on, as in Megatron-LM's own
+    loss). Megatron-LM's log-prob rows ``[N, S-1]`` give at
+    position ``p - 1`` the log-prob of token ``p``: response token ``j`` at position ``f + j`` reads
+    position ``f + j - 1``."""
+    steps = []
+    rows_per_step = shape.global_batch
+    for k in range(shape.steps):
+        rows = range(k * rows_per_step, (k + 1) * rows_per_step)
+        first = first_generated(generation_mask[rows.start:rows.stop])
+        pick = lambda values, i, f, n: values[i, f - 1:n - 1]  # noqa: E731  (log-prob of tokens f..n-1)
+        fields = {"prompt": [], "response": [], "loss_mask": [], "advantages": [], "old": [], "ref": [], "rollout": []}
+        for i, f in zip(rows, first.tolist()):
+            n = int(lengths[i])
+            fields["prompt"].append(tokens[i, :f])
+            fields["response"].append(tokens[i, f:n])
+            fields["loss_mask"].append(generation_mask[i, f:n] & (tokens[i, f:n] != pad))
+            fields["advantages"].append(advantages[i].float().expand(n - f))
+            fields["old"].append(pick(old_logprobs, i, f, n))
+            if ref_logprobs is not None:
+                fields["ref"].append(pick(ref_logprobs, i, f, n))
+            if rollout_logprobs is not None:
+                fields["rollout"].append(pick(rollout_logprobs, i, f, n))
+        cat = lambda name, fields=fields: torch.cat(fields[name]) if fields[name] else None  # noqa: E731
+        steps.append(RolloutBatch(
+            prompt_lengths=torch.tensor([len(t) for t in fields["prompt"]], dtype=torch.long),
+            response_lengths=torch.tensor([len(t) for t in fields["response"]], dtype=torch.long),
+            prompt_tokens=cat("prompt").long(), response_tokens=cat("response").long(),
+            loss_mask=cat("loss_mask").bool(), advantages=cat("advantages").float(),
+            old_logprobs=cat("old").float(),
+            group_index=torch.tensor([i // shape.group_size for i in rows], dtype=torch.long),
+            ref_logprobs=None if ref_logprobs is None else cat("ref").float(),
+            rollout_logprobs=None if rollout_logprobs is None else cat("rollout").float()))
+    return steps
+
+
+@dataclass(frozen=True)
+class RLStep:
+    """One optimizer step of a collection: its plan and where it comes from."""
+
+    plan: StepPlan
+    collection: int
+    """0-based collection of this run."""
+    step: int
+    """0-based optimizer step within a pass over the collection."""
+    grpo_pass: int
+    """0-based pass (``--grpo-iterations``)."""
+
+
+class CollectionPlanner:
+    """``prepare_data_for_update`` of the RL entry (see the module docstring).
+
+    ``on_step(iteration, RLStep)`` is told of each step as its first microbatch is handed out;
+    ``items(step, iteration)`` makes a step's microbatch items for the forward step."""
+
+    def __init__(self, loss_cfg: PGLossConfig, shape: CollectionShape, *, cuda: bool, on_step, items):
+        self.loss_cfg, self.shape, self.cuda = loss_cfg, shape, cuda
+        self.on_step, self.items = on_step, items
+        self.collections = 0
+
+    def plan_config(self) -> PlanConfig:
+        from megatron.core import parallel_state as mpu
+        from megatron.training import get_args
+
+        args = get_args()
+        dp = mpu.get_data_parallel_world_size()
+        return PlanConfig(
+            dp_size=dp, num_microbatches=self.shape.global_batch // dp, tp_size=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel, cp_size=args.context_parallel_size,
+            vocab_size=args.padded_vocab_size, max_tokens_per_microbatch=args.seq_length,
+            microbatch_tokens=args.seq_length if args.pipeline_model_parallel_size > 1 else None)
+
+    def __call__(self, *, model, ref_state_dict, rollouts, tokenizer, sequence_packing: bool, is_correction: bool):
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+        from megatron.core.utils import get_attr_wrapped_model
+        from megatron.rl import rl_utils
+        from megatron.training import get_args
+        from megatron.training.utils import get_ltor_masks_and_position_ids
+
+        args = get_args()
+        groups = [list(g) for g in rollouts]
+        self._check_groups(groups)
+        group_stats = rl_utils.compute_group_stats(rollouts, tokenizer, args.seq_length)
+        example_groups = {}
+        for g in groups:
+            example_groups.setdefault(g[0].env_id, g)
+        flat = [r for g in groups for r in g]
+        view = TokenizerView(tokenizer)
+        trajs, generation_mask, inference = rl_utils.prepare_trajectories(
+            [(r, 0) for r in flat], view, args.seq_length, args.rl_skip_bos_token)
+        _, _, position_ids = get_ltor_masks_and_position_ids(
+            trajs, view.eod, view.pad, args.reset_position_ids, args.reset_attention_mask,
+            eod_mask_loss=False, pad_mask_loss=True)
+
+        net = model[0]
+        logprobs = partial_logprobs(net, trajs, position_ids, view.pad, cuda=self.cuda,
+                                    pp_group=get_attr_wrapped_model(net, "pg_collection").pp)
+        old = logprobs()
+        # a copy (``.cpu()`` of a CPU tensor is the tensor itself: the swap would then lose the weights)
+        current = {k: (v.detach().to("cpu", copy=True) if v is not None else v) for k, v in net.state_dict().items()}
+        net.load_state_dict(ref_state_dict)
+        ref = logprobs()
+        net.load_state_dict(current)
+        rollout_lp = None
+        if any(x is not None for x in inference):
+            # Megatron-LM's alignment (the eod's log-prob is the old one) and its mismatch stats
+            rollout_lp = rl_utils.align_unpacked_inference_logprobs(
+                inference_logprobs=inference, old_logprobs_for_data=old, generation_masks=generation_mask,
+                group_stats=group_stats)
+        lengths = torch.tensor([len(r.trajectory[0]) for r in flat], dtype=torch.long)
+        advantages = torch.tensor(group_stats.advantages, dtype=torch.float64)
+        batches = step_batches(tokens=trajs, generation_mask=generation_mask, lengths=lengths, pad=view.pad,
+                               advantages=advantages,
+                               old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout_lp, shape=self.shape)
+        plan_cfg = self.plan_config()
+        plans = [plan_step(b, self.loss_cfg, plan_cfg, cp_rank=mpu.get_context_parallel_rank()) for b in batches]
+        rl_utils.get_rl_runtime_state().packing_context = None
+        reconfigure_num_microbatches_calculator(
+            rank=torch.distributed.get_rank(), rampup_batch_size=None, global_batch_size=self.shape.global_batch,
+            micro_batch_size=1, decrease_batch_size_if_needed=False,
+            data_parallel_size=mpu.get_data_parallel_world_size())
+        collection = self.collections
+        self.collections += 1
+        first_iteration = args.curr_iteration  # Megatron-LM's 0-based iteration that asked for data
+        if torch.distributed.get_rank() == 0:
+            logger.info(f"collection {collection}: {len(groups)} groups x {self.shape.group_size} -> "
+                        f"{self.shape.steps} optimizer steps of {self.shape.groups_per_step} whole groups "
+                        f"x {self.shape.passes} passes (mode {self.loss_cfg.mode}, step weights "
+                        + ", ".join(str(p.totals.pg_weight) for p in plans) + ")")
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        items = self._microbatches(plans, collection, first_iteration, mpu.get_data_parallel_rank())
+        return RerunDataIterator(items), group_stats, example_groups
+
+    def _check_groups(self, groups: list) -> None:
+        shape = self.shape
+        if len(groups) != shape.prompts or any(len(g) != shape.group_size for g in groups):
+            raise RuntimeError(
+                f"the collection has {len(groups)} groups of sizes {sorted({len(g) for g in groups})}; "
+                f"the RL entry plans --grpo-prompts-per-step {shape.prompts} groups of --grpo-group-size "
+                f"{shape.group_size}")
+        multi = [r for g in groups for r in g if len(r.trajectory) != 1]
+        if multi:
+            raise RuntimeError(
+                f"a rollout has {len(multi[0].trajectory)} turns: the RL entry plans single-turn rollouts "
+                "(each rollout one sequence); a multi-turn environment needs Megatron-LM's own loss "
+                "(--pg-loss-source megatron)")
+
+    def _microbatches(self, plans: list, collection: int, iteration: int, dp_rank: int) -> Iterator:
+        for grpo_pass in range(self.shape.passes):
+            for k, plan in enumerate(plans):
+                self.on_step(iteration, RLStep(plan, collection, k, grpo_pass))
+                yield from self.items(plan, iteration, dp_rank)
+                iteration += 1
+
+
+class TokenizerView:
+    """Megatron-LM's tokenizer, with ``bos`` None where its library has no bos token
+    (``NullTokenizer`` has no ``bos_id``; Megatron-LM reads None as "no bos check")."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        if name == "bos":
+            try:
+                return self._tokenizer.bos
+            except AttributeError:
+                return None
+        return getattr(self._tokenizer, name)
+
+
+def partial_logprobs(net, trajs: torch.Tensor, position_ids: torch.Tensor, pad: int, *, cuda: bool, pp_group):
+    """A function computing Megatron-LM's log-prob rows ``[N, S-1]`` of every trajectory with the
+    model's current weights: each DP rank runs ``compute_logprobs_batch`` on a contiguous slice
+    (padded with pad rows to equal slices, as Megatron-LM pads), then the slices are gathered."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.rl import rl_utils
+    from megatron.training import get_args
+    from torch.utils.data import DataLoader, TensorDataset
+
+    args = get_args()
+    dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    n = trajs.shape[0]
+    per_rank = -(-n // dp)
+    pad_rows = per_rank * dp - n
+    trajs = torch.cat([trajs, torch.full((pad_rows, trajs.shape[1]), pad, dtype=trajs.dtype)])
+    position_ids = torch.cat([position_ids, torch.zeros((pad_rows, position_ids.shape[1]), dtype=position_ids.dtype)])
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+
+    def logprobs() -> torch.Tensor:
+        loader = DataLoader(TensorDataset(trajs[mine], position_ids[mine]), batch_size=args.micro_batch_size)
+        with torch.no_grad():
+            local = rl_utils.compute_logprobs_batch(
+                model=net, data_loader=loader, forward_backward_func=get_forward_backward_func(),
+                packing_context=None, trajs_batch_size=per_rank, seq_length=args.seq_length,
+                logprobs_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
+                dtype=dtype, pp_group=pp_group, is_correction=False)
+        device = "cuda" if cuda else "cpu"
+        parts = [torch.empty_like(local, device=device) for _ in range(dp)]
+        torch.distributed.all_gather(parts, local.to(device), group=mpu.get_data_parallel_group())
+        return torch.cat(parts).cpu()[:n]
+
+    return logprobs
