@@ -172,6 +172,9 @@ def rl_startup_problems(args, argv: list, *, cuda: bool, megatron_core: str) -> 
                         "block would train on every token; not supported by the RL entry.")
     if args.context_parallel_size > 1 and cuda:
         problems.append("--context-parallel-size > 1: not yet supported by the RL entry.")
+    if args.tokenizer_type == "NullTokenizer" and args.null_tokenizer_pad_id < 0:
+        problems.append(f"--null-tokenizer-pad-id {args.null_tokenizer_pad_id}: Megatron-LM's RL loop pads "
+                        "trajectories with the pad id, and -1 is no token; give an id inside the vocabulary.")
     if args.pg_replay_rollouts is None and not args.langrl_env_config:
         problems.append("no rollouts: give Megatron-LM's --langrl-env-config (its environments and inference "
                         "engine, GPU) or --pg-replay-rollouts FILE|builtin.")
@@ -207,12 +210,9 @@ class RLActor(Actor):
         self._ran: dict = {}
 
     def _on_step(self, iteration: int, step: RLStep) -> None:
-        from megatron.rl.rl_utils import get_rl_runtime_state
-
         self._ran[iteration] = step
-        for old in [i for i in self._ran if i < iteration - 4]:
+        for old in [i for i in self._ran if i < iteration - 4]:  # logged by now
             del self._ran[old]
-        get_rl_runtime_state().sequences_this_iteration_on_rank = 0
 
     def _items(self, plan, iteration: int, dp_rank: int):
         for mb in plan.for_rank(dp_rank):

@@ -129,6 +129,7 @@ def _batch(work: Path, name: str, nproc: int, runs: list) -> tuple:
     return json.loads(result.read_text()), out
 
 
+IS_CORRECTION = ["--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef", "1.2"]
 WHOLE = ["--global-batch-size", str(GROUPS * GROUP_SIZE), "--train-iters", str(PASSES)]
 """One optimizer step per collection: Megatron-LM's own loop then composes the same step on every
 layout (with several steps per collection its step ``k`` is rows ``k*b .. (k+1)*b - 1`` of each DP
@@ -150,6 +151,12 @@ def layout_runs(checkout, work, replay, initial_checkpoint) -> dict:
             runs["megatron"] = ["--pg-loss-source", "megatron"]
             runs["megatron-whole"] = ["--pg-loss-source", "megatron", *WHOLE]
             runs["ours-whole"] = WHOLE
+        if layout == "DP1x4mb":  # Megatron-LM's IS correction, translated, against its own
+            runs["megatron-is"] = ["--pg-loss-source", "megatron", *IS_CORRECTION]
+            runs["ours-is"] = IS_CORRECTION
+        if layout == "DP2":
+            runs["ours-tensorboard"] = ["--pg-loss-aggregation", "prompt_mean", "--tensorboard-dir",
+                                        str(work / "tensorboard")]
         names = {key: "-".join(key) if isinstance(key, tuple) else key for key in runs}
         specs = [{"name": names[key], "argv": _rl_argv(checkout, initial_checkpoint, replay[0],
                                                        work / f"{layout}-{names[key]}.jsonl", *flags, *extra)}
@@ -255,6 +262,32 @@ def test_token_mean_ppo_equals_megatron_lms_own_loss_on_the_same_rollouts(layout
     _same_as_megatron(layout_runs["DP1x4mb"][("token_mean", "ppo")], layout_runs["DP1x4mb"]["megatron"], "DP1")
     for layout in ("DP1x4mb", "DP2"):
         _same_as_megatron(layout_runs[layout]["ours-whole"], layout_runs[layout]["megatron-whole"], layout)
+
+
+def test_megatron_lms_is_correction_translated_equals_its_own(layout_runs):
+    """``--rl-inference-logprobs-is-correction --rl-importance-sampling-truncation-coef 1.2`` become
+    the project's token_truncate correction with cap 1.2: the same objective and gradients as
+    Megatron-LM's own truncated IS weights on the replayed inference log-probs."""
+    ours, theirs = layout_runs["DP1x4mb"]["ours-is"], layout_runs["DP1x4mb"]["megatron-is"]
+    _same_as_megatron(ours, theirs, "IS correction")
+    plain = layout_runs["DP1x4mb"][("token_mean", "ppo")]
+    assert _objective_err(ours[0]["objective"], plain[0]["objective"]) > 1e-3  # the correction acts here
+    assert 0 < ours[0]["correction_truncated"] < 1  # the cap acts on some tokens
+
+
+def test_tensorboard_gets_the_step_values_through_megatron_lms_writer(work, layout_runs):
+    """With --tensorboard-dir, Megatron-LM's own writer holds the ``pg/*`` scalars of every iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work / "tensorboard"))
+    events.Reload()
+    records = layout_runs["DP2"]["ours-tensorboard"]
+    for key in ("objective", "weight", "clip_fraction", "kl", "entropy"):
+        scalars = {e.step: e.value for e in events.Scalars(f"pg/{key}")}
+        assert sorted(scalars) == [r["iteration"] for r in records], key
+        for r in records:
+            assert scalars[r["iteration"]] == pytest.approx(r[key], rel=1e-6), (key, r["iteration"])
+    assert records == layout_runs["DP2"][("prompt_mean", "ppo")]  # the writer changes no number
 
 
 def test_megatron_lms_own_steps_depend_on_the_dp_size_and_ours_do_not(layout_runs):

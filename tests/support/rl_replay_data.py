@@ -3,7 +3,8 @@
 
 Ragged on purpose: prompts of 2-7 tokens and completions of 1-40 (each ending in the end-of-document
 id), so token_mean, seq_mean, prompt_mean and constant give different objectives; rewards differ
-inside every group, so every GRPO advantage is nonzero.
+inside every group, so every GRPO advantage is nonzero; inference log-probs within 0.3 of the
+initial model's, so the IS weights spread around 1 (some above the test's cap 1.2).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def write_replay(path: Path, *, groups: int, group_size: int, seed: int = 5, lon
             records.append({"group": f"g{g}", "trajectory": prompt + completion,
                             "generation_mask": [0] * len(prompt) + [1] * len(completion),
                             "reward": round(rng.uniform(-1, 2), 3) + k * 0.1,
-                            "logprobs": [round(-rng.uniform(0.1, 4.0), 4) for _ in completion]})
+                            # near the untrained model's (log 1/127 = -4.84): IS weights around 1
+                            "logprobs": [round(-4.84 + rng.uniform(-0.3, 0.3), 4) for _ in completion]})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
 
