@@ -154,6 +154,7 @@ class CollectionPlanner:
         self.loss_cfg, self.shape, self.cuda = loss_cfg, shape, cuda
         self.on_step, self.items = on_step, items
         self.collections = 0
+        self._cpu_reference: Optional[dict] = None
 
     def plan_config(self) -> PlanConfig:
         from megatron.core import parallel_state as mpu
@@ -194,6 +195,14 @@ class CollectionPlanner:
         logprobs = partial_logprobs(net, trajs, position_ids, view.pad, cuda=self.cuda,
                                     pp_group=get_attr_wrapped_model(net, "pg_collection").pp)
         old = logprobs()
+        if not self.cuda:
+            # on CPU Megatron-LM's ref_state_dict holds ``.cpu()`` of CPU tensors, i.e. the live
+            # weights: keep the first collection's copy (the run's starting weights, which is the
+            # reference on a GPU when no --pretrained-checkpoint is given)
+            if self._cpu_reference is None:
+                self._cpu_reference = {k: (v.detach().clone() if v is not None else v)
+                                       for k, v in ref_state_dict.items()}
+            ref_state_dict = self._cpu_reference
         # a copy (``.cpu()`` of a CPU tensor is the tensor itself: the swap would then lose the weights)
         current = {k: (v.detach().to("cpu", copy=True) if v is not None else v) for k, v in net.state_dict().items()}
         net.load_state_dict(ref_state_dict)
