@@ -283,6 +283,13 @@ def megatron_collection(original):
 def _replay_source(args):
     if args.pg_replay_rollouts is None:
         return None
+    shape = collection_shape(args)
+
+    def collection_index() -> int:  # Megatron-LM collects at iterations 0, period, 2 * period, ...
+        from megatron.training import get_args
+
+        return get_args().curr_iteration // (shape.passes * shape.steps)
+
     if args.pg_replay_rollouts == BUILTIN:
         def make_groups(tokenizer):
             view = TokenizerView(tokenizer)
@@ -290,10 +297,10 @@ def _replay_source(args):
                                   seq_length=args.seq_length, eod=view.eod, pad=view.pad,
                                   bos=None if args.rl_skip_bos_token else view.bos, seed=args.seed)
 
-        return ReplaySource(make_groups=make_groups)
+        return ReplaySource(make_groups=make_groups, collection_index=collection_index)
     groups = load_replay(args.pg_replay_rollouts, group_size=args.grpo_group_size,
                          vocab_size=args.vocab_size or 2**31, seq_length=args.seq_length)
-    return ReplaySource(groups)
+    return ReplaySource(groups, collection_index=collection_index)
 
 
 def run(argv: list) -> int:

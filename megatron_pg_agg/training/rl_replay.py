@@ -162,10 +162,13 @@ class ReplaySource:
     or ``make_groups(tokenizer)`` called at the first collection (the built-in set needs the
     tokenizer's eod, pad and bos ids, known once Megatron-LM built it)."""
 
-    def __init__(self, groups: Optional[list] = None, make_groups=None, convert=None):
+    def __init__(self, groups: Optional[list] = None, make_groups=None, convert=None, collection_index=None):
         self.groups, self.make_groups = groups, make_groups
         self.convert = convert or token_rollout
         """A recorded rollout into what Megatron-LM's loop takes (its ``TokenRollout``)."""
+        self.collection_index = collection_index
+        """``() -> c``, the collection being made (a resumed run continues the file where the
+        interrupted one was); None: counted from 0 by this source."""
         self.collections = 0
 
     def __call__(self, *, model, inference_model, optimizer, n_prompts: int, samples_per_group: int):
@@ -173,7 +176,8 @@ class ReplaySource:
             from megatron.training import get_tokenizer
 
             self.groups = self.make_groups(get_tokenizer())
-        start = self.collections * n_prompts
+        collection = self.collection_index() if self.collection_index is not None else self.collections
         self.collections += 1
+        start = collection * n_prompts
         picked = [self.groups[(start + i) % len(self.groups)] for i in range(n_prompts)]
         return [[self.convert(r) for r in group] for group in picked]

@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
-from tests.support.launching import ROOT, finish, kill_launch, run, start, torchrun, worker
+from tests.support.launching import ROOT, finish, kill_launch, launch_command, run, split_by_run, start, worker
 from tests.support.reference import reference_record
 
 SCRIPT = ROOT / "launch" / "pretrain_actor.py"
@@ -72,14 +72,6 @@ def checkout(megatron_lm_checkout) -> Path:
     return megatron_lm_checkout
 
 
-def _command(nproc: int, program, *args) -> list:
-    """``program``: a script path, or ``worker(name)``'s ``-m`` arguments."""
-    program = [str(program)] if isinstance(program, Path) else list(program)
-    if nproc == 1:
-        return [sys.executable, *program, *map(str, args)]
-    return torchrun(nproc, *program, *args)
-
-
 def _records(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -88,21 +80,9 @@ def _batch(tmp: Path, name: str, nproc: int, runs: list) -> tuple[dict, str]:
     """Run ``runs`` ({name, argv}) in one launch; returns ({run: exit status}, output)."""
     spec, result = tmp / f"{name}.runs.json", tmp / f"{name}.result.json"
     spec.write_text(json.dumps(runs))
-    rc, out, _ = run(_command(nproc, RUNS, spec, result), LAUNCH_S, f"Megatron-LM runs {name}")
+    rc, out, _ = run(launch_command(nproc, RUNS, spec, result), LAUNCH_S, f"Megatron-LM runs {name}")
     assert rc == 0 and result.exists(), out[-20000:]
     return json.loads(result.read_text()), out
-
-
-def _split_by_run(out: str) -> dict:
-    """The batch output cut at the runner's ``[runs] NAME`` markers."""
-    parts, name = {}, None
-    for line in out.splitlines():
-        if line.startswith("[runs] "):
-            name = line[len("[runs] "):]
-            parts[name] = []
-        elif name is not None:
-            parts[name].append(line)
-    return {k: "\n".join(v) for k, v in parts.items()}
 
 
 def _rel(a: float, b: float) -> float:
@@ -129,7 +109,7 @@ def initial_checkpoint(checkout, work) -> Path:
     (its default torch_dist format): the common initial weights of every run below (with PP the
     seeds differ per stage, so fresh initialisations would differ across layouts)."""
     ckpt = work / "init"
-    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, "--train-iters", 1,
+    rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, "--train-iters", 1,
                               "--save", ckpt, "--save-interval", 1), LAUNCH_S, "initial checkpoint")
     assert rc == 0, out[-20000:]
     assert "[pg] iteration 1/1 | objective " in out, out[-5000:]
@@ -143,7 +123,7 @@ def mtp_initial_checkpoint(checkout, work) -> Optional[Path]:
     if not MTP_RELEASE:
         return None
     ckpt = work / "mtp_init"
-    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, *MTP, "--train-iters", 1,
+    rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, *MTP, "--train-iters", 1,
                               "--save", ckpt, "--save-interval", 1), LAUNCH_S, "MTP initial checkpoint")
     assert rc == 0, out[-20000:]
     assert "[pg] iteration 1/1 | objective " in out and "| mtp_loss " in out, out[-5000:]
@@ -211,7 +191,7 @@ def test_mtp_is_exact_across_layouts_in_every_mode(checkout, work, layout_runs):
     on packed sequences, the real script refuses --mtp-num-layers with that reason (exit 2).
     The MTP gradient against Megatron's own token-mean run: tests/unit/megatron/test_mtp.py."""
     if not MTP_RELEASE:
-        rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, *MTP, "--train-iters", 1),
+        rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", checkout, *TINY, *LOSS, *MTP, "--train-iters", 1),
                          LAUNCH_S, "MTP on 0.15")
         assert rc == 2 and "refuses multi-token prediction with packed sequences" in out, out[-5000:]
         return
@@ -403,7 +383,7 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
     flags then train, dense and with experts, RoPE, SwiGLU, RMSNorm and GQA."""
     base = ["--megatron-lm", str(checkout), *TINY, "--train-iters", "2"]
     # the real script, as a user runs it: the documented exit status comes from the process
-    rc, out, _ = run(_command(1, SCRIPT, *base, "--pg-loss-aggregation", "prompt_mean"), LAUNCH_S,
+    rc, out, _ = run(launch_command(1, SCRIPT, *base, "--pg-loss-aggregation", "prompt_mean"), LAUNCH_S,
                      "refusal: no --calculate-per-token-loss")
     assert rc == 2, out[-5000:]
     assert "--calculate-per-token-loss is missing" in out and "Add --calculate-per-token-loss" in out, out[-5000:]
@@ -437,7 +417,7 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
                                  "--group-query-attention", "--num-query-groups", "2"]},
     ]
     status, out = _batch(work, "refusals", 1, runs)
-    parts = _split_by_run(out)
+    parts = split_by_run(out)
     assert status == {"bad mode": 2, "constant without divisor": 2, "dataloader": 2,
                       "token beyond the padded vocabulary": 2, "correction without rollout_logprobs": 2,
                       "ok": 0, "gspo": 0, "moe": 0}, out[-20000:]
@@ -461,7 +441,7 @@ def test_kill_after_a_save_and_resume_equals_the_uninterrupted_run(checkout, wor
     an uninterrupted run's, and the data position is the resumed iteration's rollout step."""
     ckpt, killed_metrics = work / "resume_ckpt", work / "killed.jsonl"
     common = ["--megatron-lm", str(checkout), *TINY, *LOSS, "--pg-loss-aggregation", "prompt_mean"]
-    proc = start(_command(2, SCRIPT, *common, "--load", initial_checkpoint, "--finetune",
+    proc = start(launch_command(2, SCRIPT, *common, "--load", initial_checkpoint, "--finetune",
                           "--train-iters", 1000, "--save", ckpt, "--save-interval", 3,
                           "--pg-metrics-file", killed_metrics))
     tracker = ckpt / "latest_checkpointed_iteration.txt"
@@ -518,15 +498,16 @@ def test_mismatched_and_untested_checkouts_exit_2_naming_the_versions(checkout, 
     other = _fake_checkout(work, checkout, 17 if minor != 17 else 16)
     newer = _fake_checkout(work, checkout, 20)
     base = [*TINY, *LOSS, "--train-iters", "1"]
-    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", other, *base), LAUNCH_S, "mismatched checkout")
+    rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", other, *base), LAUNCH_S, "mismatched checkout")
     assert rc == 2, out[-5000:]
     assert f"core_v0.{17 if minor != 17 else 16}.0" in out and f"megatron-core {installed}" in out, out[-5000:]
-    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", newer, *base), LAUNCH_S, "newer checkout")
+    rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", newer, *base), LAUNCH_S, "newer checkout")
     assert rc == 2 and "core_v0.20.0" in out and versions.SUPPORTED_MEGATRON_CORE in out, out[-5000:]
     assert versions.ALLOW_UNTESTED_ENV in out and "[pg] iteration" not in out
     from tests.support.launching import child_env
 
     env = child_env(**{versions.ALLOW_UNTESTED_ENV: "1"})
     env.pop("PYTHONWARNINGS")  # the override's warning shows, as for a user
-    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", newer, *base), LAUNCH_S, "newer checkout, override", env=env)
+    rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", newer, *base), LAUNCH_S, "newer checkout, override",
+                     env=env)
     assert rc == 2 and "newer than the tested range" in out and f"megatron-core {installed}" in out, out[-5000:]

@@ -11,13 +11,12 @@ the refusal, which runs everywhere. On the 0.19 leg of .ci/run they never skip.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
-from tests.support.launching import ROOT, run, torchrun, worker
+from tests.support.launching import ROOT, launch_command, run, split_by_run, worker
 from tests.support.reference import LossNumbers, reference_record
 from tests.support.rl_replay_data import PAD, ReplayedRollout, grpo_advantages, split, write_replay
 
@@ -57,13 +56,6 @@ LAYOUTS = {
     "TP2": (2, ["--tensor-model-parallel-size", "2"]),
     "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
 }
-
-
-def _command(nproc: int, program, *args) -> list:
-    program = [str(program)] if isinstance(program, Path) else list(program)
-    if nproc == 1:
-        return [sys.executable, *program, *map(str, args)]
-    return torchrun(nproc, *program, *args)
 
 
 def _records(path: Path) -> list:
@@ -109,7 +101,8 @@ def initial_checkpoint(checkout, work) -> Path:
     """One iteration of the pretrain entry (1 process, its built-in rollouts) saved with
     Megatron-LM's ``--save``: the common initial weights of every RL run (PP seeds per stage)."""
     ckpt = work / "init"
-    rc, out, _ = run(_command(1, PRETRAIN, "--megatron-lm", checkout, *MODEL, *OPTIMIZER, "--global-batch-size", 4,
+    rc, out, _ = run(launch_command(1, PRETRAIN, "--megatron-lm", checkout, *MODEL, *OPTIMIZER,
+                                    "--global-batch-size", 4,
                               "--calculate-per-token-loss", "--seq-length", 256,
                               "--train-iters", 1, "--save", ckpt, "--save-interval", 1), LAUNCH_S, "initial checkpoint")
     assert rc == 0, out[-20000:]
@@ -124,7 +117,7 @@ def _rl_argv(checkout, ckpt, replay_path, metrics: Path, *flags) -> list:
 def _batch(work: Path, name: str, nproc: int, runs: list) -> tuple:
     spec, result = work / f"{name}.runs.json", work / f"{name}.result.json"
     spec.write_text(json.dumps([{**r, "entry": "rl"} for r in runs]))
-    rc, out, _ = run(_command(nproc, RUNS, spec, result), LAUNCH_S, f"RL runs {name}")
+    rc, out, _ = run(launch_command(nproc, RUNS, spec, result), LAUNCH_S, f"RL runs {name}")
     assert rc == 0 and result.exists(), out[-20000:]
     return json.loads(result.read_text()), out
 
@@ -180,7 +173,7 @@ def test_every_layout_gives_the_same_objective_and_grad_norm_in_every_mode_and_p
             assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), (layout, key)
             for got, ref in zip(records, want):
                 err = (_objective_err(got["objective"], ref["objective"]), _rel(got["grad_norm"], ref["grad_norm"]))
-                worst[layout] = max(worst.get(layout, (0, 0)), err)
+                worst[layout] = tuple(map(max, worst.get(layout, (0.0, 0.0)), err))
                 assert err[0] < 1e-6 and err[1] < 1e-6, (layout, key, got, ref)
                 assert (got["weight"], got["valid_tokens"]) == (ref["weight"], ref["valid_tokens"]), (layout, key)
     print("worst (objective, grad norm) relative error per layout:", worst)
@@ -196,7 +189,7 @@ def test_the_modes_differ_on_this_data(layout_runs):
 @pytest.fixture(scope="module")
 def reference_tokens(checkout, work, replay, initial_checkpoint) -> list:
     out = work / "reference.json"
-    rc, log, _ = run(_command(1, REFERENCE, checkout, replay[0], out, "--", *MODEL, *OPTIMIZER,
+    rc, log, _ = run(launch_command(1, REFERENCE, checkout, replay[0], out, "--", *MODEL, *OPTIMIZER,
                               "--global-batch-size", BATCH, "--train-iters", 1, "--load", initial_checkpoint,
                               "--finetune"), LAUNCH_S, "reference")
     assert rc == 0, log[-20000:]
@@ -324,18 +317,6 @@ REFUSALS = {
 }
 
 
-def _by_run(out: str) -> dict:
-    """The batch output cut at the runner's ``[runs] NAME`` markers."""
-    parts, name = {}, None
-    for line in out.splitlines():
-        if line.startswith("[runs] "):
-            name = line[len("[runs] "):]
-            parts[name] = ""
-        elif name is not None:
-            parts[name] += line + "\n"
-    return parts
-
-
 def test_refusals_exit_2_before_training_naming_the_fix(checkout, work, replay, initial_checkpoint):
     base = _rl_argv(checkout, initial_checkpoint, replay[0], work / "refused.jsonl")
     runs = [{"name": name, "argv": base + flags} for name, (flags, _) in REFUSALS.items()]
@@ -344,7 +325,7 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work, replay, 
     runs.append({"name": "no rollouts", "argv": base[:at] + base[at + 2:]})
     status, out = _batch(work, "refusals", 1, runs)
     assert status == {r["name"]: 2 for r in runs}, status
-    parts = _by_run(out)
+    parts = split_by_run(out)
     texts = {**{name: text for name, (_, text) in REFUSALS.items()},
              "per-token loss": "--calculate-per-token-loss is missing", "no rollouts": "--langrl-env-config"}
     for name, text in texts.items():
@@ -357,7 +338,8 @@ def test_other_releases_are_refused_at_start_up(megatron_lm_checkout, third_part
     """On every release but 0.19 the entry refuses (exit 2) naming the release it needs; on 0.19 a
     core_v0.18 checkout is refused as not the installed release's."""
     checkout = megatron_lm_checkout if not RL_RELEASE else third_party_checkouts["Megatron-LM-core_v0.18.2"]
-    rc, out, _ = run(_command(1, SCRIPT, "--megatron-lm", checkout, *MODEL, *RL, "--pg-replay-rollouts", "builtin"),
+    rc, out, _ = run(launch_command(1, SCRIPT, "--megatron-lm", checkout, *MODEL, *RL,
+                                    "--pg-replay-rollouts", "builtin"),
                      LAUNCH_S, "refused release")
     assert rc == 2, out[-5000:]
     assert "refusing to start" in out

@@ -95,3 +95,28 @@ def worker_rows(name: str, nproc: int, out, timeout_s: float):
 def torchrun(nproc: int, *args) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             *map(str, args)]
+
+
+def launch_command(nproc: int, program, *args) -> list:
+    """One process (``sys.executable``) or a torchrun launch of ``nproc``; ``program`` is a script
+    path or ``worker(name)``'s ``-m`` arguments."""
+    from pathlib import Path
+
+    program = [str(program)] if isinstance(program, Path) else list(program)
+    if nproc == 1:
+        return [sys.executable, *program, *map(str, args)]
+    return torchrun(nproc, *program, *args)
+
+
+def split_by_run(out: str) -> dict:
+    """A batch launch's output (tests/distributed/workers/megatron_lm_runs.py) cut at its
+    ``[runs] NAME`` markers: ``{run name: its lines}``."""
+    parts, name = {}, None
+    for line in out.splitlines():
+        if line.startswith("[runs] "):
+            name = line[len("[runs] "):]
+            parts[name] = []
+        elif name is not None:
+            parts[name].append(line)
+    return {k: "\n".join(v) for k, v in parts.items()}
+

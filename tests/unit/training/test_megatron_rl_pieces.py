@@ -148,6 +148,9 @@ def test_a_replay_file_gives_its_groups_in_order_and_cycles(tmp_path):
     taken = [[g[0].group for g in source(model=None, inference_model=None, optimizer=None, n_prompts=3,
                                          samples_per_group=2)] for _ in range(2)]
     assert taken == [["a", "b", "a"], ["b", "a", "b"]]  # collection c: groups c*P .. c*P + P - 1, cycling
+    resumed = ReplaySource(groups, convert=lambda r: r, collection_index=lambda: 1)  # a run resumed mid-file
+    assert [g[0].group for g in resumed(model=None, inference_model=None, optimizer=None, n_prompts=3,
+                                        samples_per_group=2)] == ["b", "a", "b"]
 
 
 @pytest.mark.parametrize("records,needle", [
