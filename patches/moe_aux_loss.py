@@ -57,13 +57,13 @@ TARGETS (megatron-core >=0.15.0,<0.20; the same on every release)
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 
 from ..versions import SUPPORTED_MEGATRON_CORE
 from ._machinery import Patch, Target, is_applied
+from ._step_factor import make_scaled_set_loss_scale, require_host_ints
 
 NAME = "moe_aux_loss"
 SUPPORTED = SUPPORTED_MEGATRON_CORE
@@ -85,9 +85,7 @@ def set_moe_aux_loss_scale(pg_weight: int, total_microbatches: int) -> float:
     communicated. Takes effect only while the ``moe_aux_loss`` patch is applied.
     """
     global _STEP_SCALE
-    for name, value in (("pg_weight", pg_weight), ("total_microbatches", total_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int (a host integer from the plan), got {type(value).__name__}")
+    require_host_ints(pg_weight=pg_weight, total_microbatches=total_microbatches)
     if pg_weight < 0:
         raise ValueError(f"pg_weight must be >= 0, got {pg_weight}")
     if total_microbatches < 1:
@@ -157,23 +155,6 @@ def _make_z_loss(original):
     return apply_z_loss
 
 
-def _make_set_loss_scale(original):
-    """``set_loss_scale(scale)`` stores ``scale * W / M_total`` while a step factor is set.
-
-    A staticmethod upstream; the replacement is a plain function on the class: the schedule
-    calls it through the class (``MoEAuxLossAutoScaler.set_loss_scale(...)``), where a plain
-    function is not bound (a staticmethod object cannot carry the machinery's ``__wrapped__``).
-    """
-    fn = original.__func__ if isinstance(original, staticmethod) else original
-
-    def set_loss_scale(scale):
-        if _STEP_SCALE is not None:
-            scale = scale * _STEP_SCALE  # a Python float times the device tensor: no host sync
-        return fn(scale)
-
-    return set_loss_scale
-
-
 PATCH = Patch(
     name=NAME,
     supported=SUPPORTED,
@@ -181,6 +162,7 @@ PATCH = Patch(
     targets=(
         Target(_ROUTER, "TopKRouter.attach_and_log_load_balancing_loss", _make_router_call),
         Target(_ROUTER, "TopKRouter.apply_z_loss", _make_z_loss),
-        Target(_MOE_UTILS, "MoEAuxLossAutoScaler.set_loss_scale", _make_set_loss_scale),
+        # stores scale * W / M_total while a step factor is set
+        Target(_MOE_UTILS, "MoEAuxLossAutoScaler.set_loss_scale", make_scaled_set_loss_scale(lambda: _STEP_SCALE)),
     ),
 )

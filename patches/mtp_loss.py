@@ -70,12 +70,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import numbers
 from typing import Optional
 
 import torch
 
 from ._machinery import Patch, Target, is_applied
+from ._step_factor import make_scaled_set_loss_scale, plain_function, require_host_ints
 
 NAME = "mtp_loss"
 SUPPORTED = ">=0.16.0,<0.20"
@@ -104,9 +104,8 @@ def set_mtp_loss_scale(pg_weight: int, valid_tokens: int) -> float:
     nothing is communicated. Takes effect only while the ``mtp_loss`` patch is applied.
     """
     global _STEP_SCALE
+    require_host_ints(pg_weight=pg_weight, valid_tokens=valid_tokens)
     for name, value in (("pg_weight", pg_weight), ("valid_tokens", valid_tokens)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int (a host integer from the plan), got {type(value).__name__}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     if (pg_weight == 0) != (valid_tokens == 0):
@@ -141,27 +140,10 @@ def is_active() -> bool:
     return is_applied(NAME)
 
 
-def _plain(original):
-    return original.__func__ if isinstance(original, staticmethod) else original
-
-
-def _make_set_loss_scale(original):
-    """``set_loss_scale(scale)`` stores ``scale * W / D`` while a step factor is set (a plain
-    function on the class, as the MoE patch's: the schedule calls it through the class)."""
-    fn = _plain(original)
-
-    def set_loss_scale(scale):
-        if _STEP_SCALE is not None:
-            scale = scale * _STEP_SCALE  # a Python float times the device tensor: no host sync
-        return fn(scale)
-
-    return set_loss_scale
-
-
 def _make_forward(original):
     """``MTPLossAutoScaler.forward(ctx, output, mtp_loss)``: refuse without a step factor, record
     the attached loss's sum, then upstream's forward."""
-    fn = _plain(original)
+    fn = plain_function(original)
 
     def forward(ctx, output, mtp_loss):
         if _STEP_SCALE is None:
@@ -229,7 +211,8 @@ PATCH = Patch(
     why=__doc__,
     unsupported_reason=UNSUPPORTED_REASON + ".",
     targets=(
-        Target(_MTP, "MTPLossAutoScaler.set_loss_scale", _make_set_loss_scale),
+        # stores scale * W / D while a step factor is set
+        Target(_MTP, "MTPLossAutoScaler.set_loss_scale", make_scaled_set_loss_scale(lambda: _STEP_SCALE)),
         Target(_MTP, "MTPLossAutoScaler.forward", _make_forward),
         Target(_MTP, "_roll_tensor_packed_seq", _make_roll_packed),
         Target(_MTP, "roll_tensor", _make_roll_tensor, releases=">=0.17"),
