@@ -13,10 +13,8 @@ writes ``{name: exit status}`` to RESULT.json.
 """
 from __future__ import annotations
 
-import json
-import sys
-
 from megatron_pg_agg.training import megatron_lm
+from tests.support.batch_runs import announce, exit_status, serve
 
 
 def _main(entry: str):
@@ -30,11 +28,8 @@ def _main(entry: str):
 def run_all(runs: list) -> dict:
     status = {}
     for run in runs:
-        print(f"[runs] {run['name']}", file=sys.stderr, flush=True)
-        try:
-            status[run["name"]] = _main(run.get("entry", "pretrain"))(list(run["argv"]))
-        except SystemExit as exc:  # argparse's usage errors; Megatron-LM's --exit-interval (0)
-            status[run["name"]] = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        announce(run)
+        status[run["name"]] = exit_status(_main(run.get("entry", "pretrain")), list(run["argv"]))
         from megatron.training.training import destroy_global_state
 
         destroy_global_state()
@@ -42,11 +37,4 @@ def run_all(runs: list) -> dict:
 
 
 if __name__ == "__main__":
-    runs_path, result_path = sys.argv[1], sys.argv[2]
-    with open(runs_path) as f:
-        status = run_all(json.load(f))
-    import os
-
-    if os.environ.get("RANK", "0") == "0":
-        with open(result_path, "w") as f:
-            json.dump(status, f)
+    serve(run_all)

@@ -11,12 +11,11 @@ torch and megatron-core costs most of a 2-core launch; a run after that costs ~1
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 from datetime import timedelta
 
 from megatron_pg_agg.training.cli import main
+from tests.support.batch_runs import announce, exit_status, serve
 
 
 def run_all(runs: list) -> dict:
@@ -25,11 +24,8 @@ def run_all(runs: list) -> dict:
     for index, run in enumerate(runs):
         if index and "RANK" in os.environ:
             _fresh_rendezvous(agent, index)
-        print(f"[runs] {run['name']}", file=sys.stderr, flush=True)
-        try:
-            status[run["name"]] = main(list(run["argv"]))
-        except SystemExit as exc:  # argparse's usage errors
-            status[run["name"]] = exc.code if isinstance(exc.code, int) else 1
+        announce(run)
+        status[run["name"]] = exit_status(main, list(run["argv"]))
     return status
 
 
@@ -49,9 +45,4 @@ def _fresh_rendezvous(agent: tuple, index: int) -> None:
 
 
 if __name__ == "__main__":
-    runs_path, result_path = sys.argv[1], sys.argv[2]
-    with open(runs_path) as f:
-        status = run_all(json.load(f))
-    if os.environ.get("RANK", "0") == "0":
-        with open(result_path, "w") as f:
-            json.dump(status, f)
+    serve(run_all)
