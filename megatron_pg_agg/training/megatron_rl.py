@@ -178,6 +178,9 @@ def rl_startup_problems(args, argv: list, *, cuda: bool, megatron_core: str) -> 
     if args.pg_replay_rollouts is None and not args.langrl_env_config:
         problems.append("no rollouts: give Megatron-LM's --langrl-env-config (its environments and inference "
                         "engine, GPU) or --pg-replay-rollouts FILE|builtin.")
+    if args.pg_replay_rollouts is not None and args.langrl_env_config:
+        problems.append("--pg-replay-rollouts and --langrl-env-config both name the rollouts' source; give one "
+                        "(replayed rollouts replace Megatron-LM's environments).")
     if args.pg_replay_rollouts not in (None, BUILTIN) and not os.path.isfile(args.pg_replay_rollouts):
         problems.append(f"--pg-replay-rollouts {args.pg_replay_rollouts}: no such file.")
     if args.pg_loss_source == "megatron":

@@ -314,6 +314,7 @@ REFUSALS = {
     "truncation without correction": (["--rl-importance-sampling-truncation-coef", "2"],
                                       "without --rl-inference-logprobs-is-correction"),
     "two clip values": (["--grpo-clamp-eps-lower", "0.1", "--pg-clip-eps", "0.2"], "two values"),
+    "two rollout sources": (["--langrl-env-config", "envs.yaml"], "both name the rollouts' source"),
 }
 
 
