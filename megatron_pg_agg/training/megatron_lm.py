@@ -119,9 +119,10 @@ def add_actor_args(parser):
     return parser
 
 
-def startup_problems(args, *, cuda: bool, megatron_core: str) -> list:
+def startup_problems(args, *, cuda: bool, megatron_core: str, mtp: bool = True) -> list:
     """Every problem in the parsed Megatron-LM flags that would make the objective wrong or the
     run fail later, on the installed ``megatron_core`` release; empty when the run may start.
+    ``mtp=False``: the caller judges ``--mtp-num-layers`` itself (the RL entry refuses it).
     Pure: reads ``args`` only."""
     problems = []
     if not args.calculate_per_token_loss:
@@ -145,7 +146,7 @@ def startup_problems(args, *, cuda: bool, megatron_core: str) -> list:
     if getattr(args, "ddp_average_in_collective", False):
         problems.append("--ddp-average-in-collective averages gradients over DP before the division by "
                         "the global weight; drop it.")
-    if args.mtp_num_layers:
+    if mtp and args.mtp_num_layers:
         problems.extend(_mtp_problems(args, megatron_core))
     if args.pg_skip_nonfinite_steps:
         problems.append("--pg-skip-nonfinite-steps belongs to launch/train_actor.py; in Megatron-LM a "
@@ -523,13 +524,20 @@ def _pretrain(release, args, actor) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
+    return run_entry(run, argv)
+
+
+def run_entry(run_argv, argv: Optional[list] = None) -> int:
+    """An entry's process frame around ``run_argv(argv) -> status`` (this one and the RL entry):
+    the ``[pg]`` log, quiet start-up, workers that die with their launcher, one-process defaults
+    outside torchrun, and exit status 2 for a refused start."""
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(PG_PREFIX)
     quiet_startup_noise()
     die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
     _single_process_defaults()
     try:
-        return run(argv)
+        return run_argv(argv)
     except StartupError as err:
         logger.error(str(err))
         release_process_group()  # some refusals come after pretrain() made the group

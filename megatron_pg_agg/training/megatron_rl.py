@@ -47,15 +47,14 @@ from .megatron_lm import (
     Actor,
     PlannedMicrobatch,
     _pretrain,
-    _single_process_defaults,
     find_checkout,
+    run_entry,
     startup_problems,
     use_checkout,
 )
 from .rl_collection import CollectionPlanner, CollectionShape, RLStep, TokenizerView, shape_problems
 from .rl_replay import BUILTIN, ReplayError, ReplaySource, builtin_replay, load_replay
 from .run_config import StartupError
-from .worker_process import die_with_launcher, quiet_startup_noise, release_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +150,7 @@ def translate_loss_flags(args, argv: list) -> tuple:
 
 def rl_startup_problems(args, argv: list, *, cuda: bool, megatron_core: str) -> list:
     """Every problem of the parsed flags for this entry (after :func:`translate_loss_flags`)."""
-    problems = [p for p in startup_problems(args, cuda=cuda, megatron_core=megatron_core)
-                if not p.startswith("--mtp-num-layers")]
+    problems = startup_problems(args, cuda=cuda, megatron_core=megatron_core, mtp=False)  # MTP: below
     shape = collection_shape(args)
     problems.extend(shape_problems(shape))
     if args.rl_use_sequence_packing:
@@ -255,19 +253,13 @@ def megatron_forward_step(cuda: bool):
 
     if cuda:
         return train_rl.forward_step
-    from functools import partial
+    from megatron_pg_agg.patches._cpu_torch import _TensorCudaIsIdentity, under_mode
 
-    from megatron_pg_agg.patches._cpu_torch import _TensorCudaIsIdentity
-
-    def on_cpu(fn):
-        def call(*args, **kwargs):
-            with _TensorCudaIsIdentity():
-                return fn(*args, **kwargs)
-        return call
+    on_cpu = under_mode(_TensorCudaIsIdentity)
 
     def forward_step(data_iterator, model, loss_only: bool = False):
         output, loss_func = on_cpu(train_rl.forward_step)(data_iterator, model, loss_only)
-        return output, partial(on_cpu(loss_func))
+        return output, on_cpu(loss_func)
 
     return forward_step
 
@@ -374,14 +366,4 @@ class _MegatronLossActor:
 
 
 def main(argv: Optional[list] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    setup_logging(PG_PREFIX)
-    quiet_startup_noise()
-    die_with_launcher()
-    _single_process_defaults()
-    try:
-        return run(argv)
-    except StartupError as err:
-        logger.error(str(err))
-        release_process_group()
-        return 2
+    return run_entry(run, argv)
