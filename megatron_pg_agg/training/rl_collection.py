@@ -192,19 +192,18 @@ class CollectionPlanner:
             eod_mask_loss=False, pad_mask_loss=True)
 
         net = model[0]
-        logprobs = partial_logprobs(net, trajs, position_ids, view.pad, cuda=self.cuda,
-                                    pp_group=get_attr_wrapped_model(net, "pg_collection").pp)
+        logprobs = make_logprob_pass(net, trajs, position_ids, view.pad, cuda=self.cuda,
+                                     pp_group=get_attr_wrapped_model(net, "pg_collection").pp)
         old = logprobs()
         if not self.cuda:
             # on CPU Megatron-LM's ref_state_dict holds ``.cpu()`` of CPU tensors, i.e. the live
             # weights: keep the first collection's copy (the run's starting weights, which is the
             # reference on a GPU when no --pretrained-checkpoint is given)
             if self._cpu_reference is None:
-                self._cpu_reference = {k: (v.detach().clone() if v is not None else v)
-                                       for k, v in ref_state_dict.items()}
+                self._cpu_reference = _host_copy(ref_state_dict)
             ref_state_dict = self._cpu_reference
         # a copy (``.cpu()`` of a CPU tensor is the tensor itself: the swap would then lose the weights)
-        current = {k: (v.detach().to("cpu", copy=True) if v is not None else v) for k, v in net.state_dict().items()}
+        current = _host_copy(net.state_dict())
         net.load_state_dict(ref_state_dict)
         ref = logprobs()
         net.load_state_dict(current)
@@ -261,6 +260,11 @@ class CollectionPlanner:
                 iteration += 1
 
 
+def _host_copy(state: dict) -> dict:
+    """A state dict copied to host memory (a real copy on every device)."""
+    return {k: (v.detach().to("cpu", copy=True) if v is not None else v) for k, v in state.items()}
+
+
 class TokenizerView:
     """Megatron-LM's tokenizer, with ``bos`` None where its library has no bos token
     (``NullTokenizer`` has no ``bos_id``; Megatron-LM reads None as "no bos check")."""
@@ -277,7 +281,7 @@ class TokenizerView:
         return getattr(self._tokenizer, name)
 
 
-def partial_logprobs(net, trajs: torch.Tensor, position_ids: torch.Tensor, pad: int, *, cuda: bool, pp_group):
+def make_logprob_pass(net, trajs: torch.Tensor, position_ids: torch.Tensor, pad: int, *, cuda: bool, pp_group):
     """A function computing Megatron-LM's log-prob rows ``[N, S-1]`` of every trajectory with the
     model's current weights: each DP rank runs ``compute_logprobs_batch`` on a contiguous slice
     (padded with pad rows to equal slices, as Megatron-LM pads), then the slices are gathered."""
