@@ -25,13 +25,19 @@ MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic", "psutil"]
 # launch/train_rl_actor.py: what Megatron-LM's RL loop (megatron/rl, core_v0.19) imports at its top,
 # beyond the pretrain path. megatron-core 0.19 needs Python 3.12, so the test extra takes them there.
 MEGATRON_RL = ["wandb", "tqdm", "httpx", "openai", "fastapi", "uvicorn"]
+# --hf-model / --save-hf (megatron_pg_agg.integrations.hf_bridge): what Megatron-Bridge 0.6.2 imports on
+# the HF import/export path, installed after `pip install --no-deps megatron-bridge==0.6.2` (its full
+# dependency set does not install from the index: docs/hf-models.md). Python 3.12 and megatron-core 0.19
+# only, as megatron-bridge 0.6 itself.
+BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "nvidia-modelopt==0.47.0", "requests"]
 
 setup(
     name="megatron_pg_agg",
     version="0.1.0",
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
     packages=["megatron_pg_agg", "megatron_pg_agg.core", "megatron_pg_agg.data", "megatron_pg_agg.megatron",
-              "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.patches"],
+              "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations",
+              "megatron_pg_agg.patches"],
     package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches"},
     python_requires=">=3.10",
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
@@ -46,6 +52,7 @@ setup(
         # triton on CPU: the megatron_lm_cpu patch stands in for the one module that imports it.
         "megatron-lm": MEGATRON_LM,
         "megatron-rl": MEGATRON_LM + MEGATRON_RL,
+        "bridge": [f"{p}; python_version >= '3.12'" for p in BRIDGE],
         # the parity command's --plot
         "plot": ["matplotlib"],
         # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package

@@ -58,12 +58,16 @@ class TestedRelease:
     """The torch release the leg installs (2.13.0: the CPU wheel; 2.14.1: a CUDA build that runs on CPU)."""
     suite: str
     """``full``: every test; ``unit+megatron-lm``: tests/unit plus the Megatron-LM layout tests."""
+    megatron_bridge: str | None = None
+    """The megatron-bridge release the leg also installs (``--no-deps``, then the ``bridge``
+    extra) and whose tests must run there (--hf-model, --save-hf); None: not installed."""
 
 
 TESTED: tuple[TestedRelease, ...] = (
     TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full"),
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
-    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full"),
+    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full",
+                  megatron_bridge="0.6.2"),
     TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm"),
     TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
 )
@@ -72,10 +76,12 @@ TESTED: tuple[TestedRelease, ...] = (
 
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
-    rows = ["| megatron-core | Megatron-LM tag | Python | torch | CI runs |", "|---|---|---|---|---|"]
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | CI runs |",
+            "|---|---|---|---|---|---|"]
     for leg in TESTED:
         suite = "the whole suite" if leg.suite == "full" else "unit suite + Megatron-LM layout tests"
-        rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | {suite} |")
+        rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
+                    f"{leg.megatron_bridge or '-'} | {suite} |")
     return "\n".join(rows)
 
 
@@ -163,9 +169,10 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
 
 
 def _ci_legs() -> str:
-    """One line per leg for .ci/run: ``core tag checkout python torch suite``."""
+    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge`` (bridge: ``-``
+    for none)."""
     return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
-                               leg.suite)) for leg in TESTED)
+                               leg.suite, leg.megatron_bridge or "-")) for leg in TESTED)
 
 
 if __name__ == "__main__":

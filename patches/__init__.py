@@ -32,6 +32,8 @@ Patches
     collection seams (the RL entry's replayed rollouts and planner), ``fp32_output`` dropped
     where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran. Any device.
     ``megatron_rl_cpu`` (:mod:`.megatron_rl_cpu`): the RL loop's data path on CPU. CPU-only.
+    ``bridge_cpu`` (:mod:`.bridge_cpu`): Megatron-Bridge imports without Transformer Engine (a
+    stand-in for its LoRA layers module). megatron-core 0.19, megatron-bridge 0.6. CPU-only.
 
 Usage::
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 from . import (
     _machinery,
+    bridge_cpu,
     cpu_gloo,
     megatron_lm_cpu,
     megatron_lm_log,
@@ -72,6 +75,7 @@ PATCHES: dict[str, Patch] = {
     mtp_loss.NAME: mtp_loss.PATCH,
     megatron_rl.NAME: megatron_rl.PATCH,
     megatron_rl_cpu.NAME: megatron_rl_cpu.PATCH,
+    bridge_cpu.NAME: bridge_cpu.PATCH,
 }
 """Every known patch, by name, in application order."""
 
@@ -79,7 +83,7 @@ PATCHES: dict[str, Patch] = {
 def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
                            mtp_loss: bool = False, megatron_rl: bool = False,
-                           megatron_rl_cpu: bool = False) -> list[str]:
+                           megatron_rl_cpu: bool = False, bridge_cpu: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -88,7 +92,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
     """
     wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
-              "megatron_rl_cpu": megatron_rl_cpu}
+              "megatron_rl_cpu": megatron_rl_cpu, "bridge_cpu": bridge_cpu}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

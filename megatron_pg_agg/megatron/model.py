@@ -38,6 +38,7 @@ __all__ = [
     "default_ddp_config",
     "gpt_layer_spec",
     "device_settings",
+    "hf_contract_settings",
     "te_usable",
     "transformer_config",
     "wrap_in_ddp",
@@ -106,6 +107,19 @@ def transformer_config(**overrides) -> TransformerConfig:
     harness and the tests are ``megatron_pg_agg.parity.models.tiny_transformer_config``.
     """
     return TransformerConfig(**{**_CONTRACT, **_no_cuda_graph_modules(), **device_settings(), **overrides})
+
+
+MOE_TE_FUSIONS = ("moe_permute_fusion", "moe_grouped_gemm", "moe_router_fusion")
+"""MoE kernels that need Transformer Engine (a model provider may turn them on)."""
+
+
+def hf_contract_settings(cuda: Optional[bool] = None) -> dict:
+    """What :func:`transformer_config` puts on every model, as fields to set on a Megatron-Bridge
+    provider whose shape comes from an HF config: the loss contract, no CUDA graphs and the
+    device's settings; on CPU also the TE-only MoE kernels off."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cpu_only = {} if cuda else {name: False for name in MOE_TE_FUSIONS}
+    return {**_CONTRACT, **_no_cuda_graph_modules(), **device_settings(cuda), **cpu_only}
 
 
 def te_usable() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from .logs import ALL_RANKS, setup_logging
-from .run_config import RunConfig, StartupError, build_parser
+from .run_config import RunConfig, StartupError, parse_flags
 from .worker_process import keep_freed_memory, quiet_startup_noise, release_process_group
 
 logger = logging.getLogger(__name__)
@@ -19,11 +19,12 @@ def main(argv=None) -> int:
     # quiet_startup_noise must be in place for
     from .trainer import NonFiniteStepError, train  # noqa: PLC0415
 
-    namespace = build_parser().parse_args(argv)
+    namespace = parse_flags(argv)
     try:
         train(RunConfig.from_args(namespace))
     except StartupError as err:
-        logger.error(str(err), extra=ALL_RANKS)  # refused before any process group
+        logger.error(str(err), extra=ALL_RANKS)  # refused before any process group (or the HF weights' names)
+        release_process_group()
         return 2
     except NonFiniteStepError as err:
         logger.error(f"stopped: {err}", extra=ALL_RANKS)

@@ -40,6 +40,7 @@ __all__ = [
     "StartupError",
     "TrainingConfig",
     "build_parser",
+    "parse_flags",
 ]
 
 DEFAULT_NUM_MICROBATCHES = 2
@@ -66,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of ``launch/train_actor.py`` (Megatron-style names, plus the ``--pg-*`` loss flags)."""
     parser = argparse.ArgumentParser(
         prog="train_actor", description="Train a PPO/GRPO actor with megatron-core (torchrun entry point).")
+    hf = parser.add_argument_group("Hugging Face models (Python 3.12, Megatron-Bridge; docs/hf-models.md)")
+    hf.add_argument("--hf-model", default=None, metavar="PATH",
+                    help="a local HF causal-LM folder (config.json + safetensors): the model's shape and weights "
+                         "come from it; a model flag that disagrees with its config is refused")
+    hf.add_argument("--save-hf", default=None, metavar="DIR",
+                    help="write the trained model as an HF folder (config, safetensors, the source's tokenizer "
+                         "files) at the end, atomically; needs --hf-model")
+    hf.add_argument("--save-hf-interval", type=int, default=None, metavar="N",
+                    help="also write --save-hf every N iterations")
     model = parser.add_argument_group("model (Megatron-style)")
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--hidden-size", type=int, default=64)
@@ -123,6 +133,86 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_UNSET = object()
+
+
+def parse_flags(argv=None) -> argparse.Namespace:
+    """:func:`build_parser`'s namespace of ``argv``, with ``explicit``: the set of destinations the
+    command line gave (a flag left at its default is not in it). ``--hf-model`` refuses only the
+    model flags that were given and disagree with the HF config."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    # argparse fills a default only where the namespace lacks the attribute: pre-filled sentinels
+    # stay exactly where no flag was given (parsed without the loss flags' validation, which the
+    # sentinels would fail; the real parse above validated them)
+    probe = argparse.Namespace(**{a.dest: _UNSET for a in parser._actions if a.dest != "help"})
+    getattr(parser.parse_known_args, "__wrapped__", parser.parse_known_args)(argv, probe)
+    namespace.explicit = frozenset(k for k, v in vars(probe).items() if v is not _UNSET)
+    return namespace
+
+
+HF_SHAPE_FLAGS = (
+    # (destination, flag, HFShape field, how the flag's value reads as the field's)
+    ("num_layers", "--num-layers", "num_layers", None),
+    ("hidden_size", "--hidden-size", "hidden_size", None),
+    ("ffn_hidden_size", "--ffn-hidden-size", "ffn_hidden_size", None),
+    ("num_attention_heads", "--num-attention-heads", "num_attention_heads", None),
+    ("vocab_size", "--vocab-size", "vocab_size", None),
+    ("max_position_embeddings", "--max-position-embeddings", "max_position_embeddings", None),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", "tie_embeddings",
+     lambda untie: not untie),
+    ("num_experts", "--num-experts", "num_experts", None),
+    ("moe_router_topk", "--moe-router-topk", "router_topk", None),
+)
+"""The model flags whose values an HF config fixes (tying is the flag's negation)."""
+
+
+def _hf_model_config(ns: argparse.Namespace) -> "ModelConfig":
+    """The model of ``--hf-model``: its shape from the HF config (through Megatron-Bridge's
+    provider); a shape flag given on the command line that disagrees is refused, naming both."""
+    # the integration is imported only for an --hf-model run: Megatron-Bridge is an optional extra
+    from megatron_pg_agg.integrations.hf_folder import (  # noqa: PLC0415
+        HFFolderError,
+        bridge_install_problem,
+        open_hf_folder,
+    )
+
+    try:
+        open_hf_folder(ns.hf_model)  # the folder first: its problems need no install to be named
+        problem = bridge_install_problem()
+        if problem is not None:
+            raise HFFolderError(f"--hf-model: {problem}")
+        from megatron_pg_agg.integrations.hf_bridge import open_hf_model  # noqa: PLC0415  (Megatron-Bridge)
+
+        shape = open_hf_model(ns.hf_model).shape
+    except HFFolderError as err:
+        raise StartupError(str(err)) from err
+    explicit = getattr(ns, "explicit", frozenset())
+    conflicts = []
+    for dest, flag, field, as_field in HF_SHAPE_FLAGS:
+        if dest in explicit:
+            given = getattr(ns, dest)
+            wanted = getattr(shape, field)
+            if (as_field(given) if as_field else given) != wanted:
+                shown = f"tie_word_embeddings={str(wanted).lower()}" if field == "tie_embeddings" else wanted
+                conflicts.append(f"{flag}{'' if as_field else f' {given}'} disagrees with --hf-model {ns.hf_model}, "
+                                 f"whose config gives {field} = {shown}" if field != "tie_embeddings" else
+                                 f"{flag} disagrees with --hf-model {ns.hf_model}, whose config has {shown}")
+    if conflicts:
+        raise StartupError(conflicts)
+    return ModelConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        untie_embeddings_and_output_weights=not shape.tie_embeddings, bf16=ns.bf16,
+        moe=MoEConfig(num_experts=shape.num_experts, router_topk=shape.router_topk or ns.moe_router_topk,
+                      aux_loss_coeff=ns.moe_aux_loss_coeff, z_loss_coeff=ns.moe_z_loss_coeff,
+                      token_dispatcher_type=ns.moe_token_dispatcher_type),
+        mtp_num_layers=ns.mtp_num_layers, mtp_loss_scaling_factor=ns.mtp_loss_scaling_factor,
+        hf_model=ns.hf_model, num_query_groups=shape.num_query_groups,
+    )
+
+
 # ----------------------------------------------------------------------------- the tree
 
 
@@ -176,6 +266,11 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1
     """f (``--mtp-loss-scaling-factor``): the MTP loss added to the objective's gradient is f x the
     mean over depths of each depth's token-mean cross-entropy (Megatron's default 0.1)."""
+    hf_model: Optional[str] = None
+    """A local HF causal-LM folder (``--hf-model``): the shape above is its config's, and the
+    weights are loaded from it through Megatron-Bridge; None: a GPT built from the flags."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads (grouped-query attention, HF models); None: as many as attention heads."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +385,15 @@ class CheckpointConfig:
     """Iterations between checkpoints (``--save-interval``); None: only the final one."""
     load: Optional[str] = None
     """Resume from this checkpoint directory (``--load``); None: start from the initial weights."""
+    save_hf: Optional[str] = None
+    """HF folder written at the end of the run (``--save-hf``; an ``--hf-model`` run), atomically."""
+    save_hf_interval: Optional[int] = None
+    """Iterations between HF folders (``--save-hf-interval``); None: only the final one."""
+
+    def interval_save_hf_due(self, iteration: int) -> bool:
+        """Whether the HF folder is written after ``iteration`` (the final one is skipped when this
+        already wrote it)."""
+        return bool(self.save_hf and self.save_hf_interval and iteration % self.save_hf_interval == 0)
 
     def interval_save_due(self, iteration: int) -> bool:
         """Whether an interval checkpoint is written after ``iteration`` (the final checkpoint is
@@ -340,8 +444,9 @@ class RunConfig:
             loss = config_from_args(ns)
         except ValueError as err:
             raise StartupError([str(err)]) from err
+        model = _hf_model_config(ns) if ns.hf_model else None
         return cls(
-            model=ModelConfig(
+            model=model or ModelConfig(
                 num_layers=ns.num_layers, hidden_size=ns.hidden_size,
                 ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size,
                 num_attention_heads=ns.num_attention_heads, vocab_size=ns.vocab_size,
@@ -364,7 +469,8 @@ class RunConfig:
             training=TrainingConfig(lr=ns.lr, weight_decay=ns.weight_decay, clip_grad=ns.clip_grad,
                                     train_iters=ns.train_iters, seed=ns.seed,
                                     skip_nonfinite_steps=ns.pg_skip_nonfinite_steps),
-            checkpoint=CheckpointConfig(save=ns.save, save_interval=ns.save_interval, load=ns.load),
+            checkpoint=CheckpointConfig(save=ns.save, save_interval=ns.save_interval, load=ns.load,
+                                        save_hf=ns.save_hf, save_hf_interval=ns.save_hf_interval),
             logging=LoggingConfig(
                 metrics_file=ns.metrics_file or os.path.join(ns.save or DEFAULT_RUN_DIR, "metrics.jsonl"),
                 tensorboard_dir=ns.tensorboard_dir, log_interval=ns.log_interval,
@@ -441,10 +547,12 @@ class RunConfig:
         if not par.calculate_per_token_loss:
             problems.append("calculate_per_token_loss off gives a mean of microbatch means, not the chosen objective")
         # (a size < 1 is refused above; the divisibility checks need it >= 1)
-        if tp >= 1 and (model.hidden_size % model.num_attention_heads or model.num_attention_heads % tp):
+        if model.hf_model:
+            problems.extend(self._hf_problems())
+        elif tp >= 1 and (model.hidden_size % model.num_attention_heads or model.num_attention_heads % tp):
             problems.append(f"--num-attention-heads {model.num_attention_heads} must divide --hidden-size "
                             f"{model.hidden_size} and be divisible by TP={tp}")
-        if tp >= 1 and model.vocab_size % tp:
+        if tp >= 1 and model.vocab_size % tp and not model.hf_model:
             problems.append(f"--vocab-size {model.vocab_size} must be divisible by TP={tp}")
         if not te and par.sequence_parallel and tp > 1:
             problems.append("--sequence-parallel needs Transformer Engine's layer norm (the local spec's torch "
@@ -460,12 +568,34 @@ class RunConfig:
         ckpt = self.checkpoint
         if ckpt.save_interval is not None and (ckpt.save_interval < 1 or not ckpt.save):
             problems.append("--save-interval needs --save and a value >= 1")
+        if ckpt.save_hf and not model.hf_model:
+            problems.append("--save-hf needs --hf-model (the HF config and names come from it)")
+        if ckpt.save_hf_interval is not None and (ckpt.save_hf_interval < 1 or not ckpt.save_hf):
+            problems.append("--save-hf-interval needs --save-hf and a value >= 1")
         if self.training.train_iters < 1:
             problems.append("--train-iters must be >= 1")
         if ckpt.load and not os.path.isdir(ckpt.load):
             problems.append(f"--load {ckpt.load}: no such directory")
         if self.data.rollouts and not os.path.isfile(self.data.rollouts):
             problems.append(f"--rollouts {self.data.rollouts}: no such file")
+        return problems
+
+    def _hf_problems(self) -> list:
+        """An ``--hf-model`` run: what the HF shape cannot take on this layout."""
+        model, tp = self.model, self.parallel.tp
+        problems = []
+        if tp < 1:
+            return problems
+        source = f"--hf-model {model.hf_model}"
+        for what, count in (("attention heads", model.num_attention_heads),
+                            ("key/value heads", model.num_query_groups or model.num_attention_heads)):
+            if count % tp:
+                problems.append(f"{source}: {count} {what} are not divisible by --tensor-model-parallel-size {tp}")
+        if model.vocab_size % tp:
+            problems.append(f"{source}: the vocabulary of {model.vocab_size} is not divisible by "
+                            f"--tensor-model-parallel-size {tp} (padding it would change every softmax)")
+        if model.mtp_num_layers is not None:
+            problems.append(f"--mtp-num-layers with {source}: the HF families served here have no MTP weights")
         return problems
 
     def _mtp_problems(self) -> list:

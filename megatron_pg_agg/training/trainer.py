@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.utils import get_model_config
 
 from megatron_pg_agg.core.losses import correction_values
 from megatron_pg_agg.data.planner import PlanConfig, padded_lengths, plan_step, policy_loss_notes, require_inputs
@@ -32,6 +33,7 @@ from megatron_pg_agg.megatron.config_checks import check_megatron_config
 from megatron_pg_agg.megatron.model import (
     build_model_chunks,
     default_ddp_config,
+    hf_contract_settings,
     te_usable,
     transformer_config,
     wrap_in_ddp,
@@ -187,10 +189,7 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
         add_bias_linear=False,
     )
     # fusions follow the device (model.device_settings); the dtypes follow --bf16
-    config = transformer_config(
-        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        ffn_hidden_size=model_cfg.ffn_hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads,
+    settings = dict(
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size, context_parallel_size=par.cp,
         sequence_parallel=par.sequence_parallel,
@@ -199,12 +198,28 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
         variable_seq_lengths=par.pp > 1 and not cfg.uniform_microbatch_tokens,
         batch_p2p_comm=par.batch_p2p_comm,
         calculate_per_token_loss=par.calculate_per_token_loss,
-        mtp_num_layers=model_cfg.mtp_num_layers, mtp_loss_scaling_factor=model_cfg.mtp_loss_scaling_factor,
         **moe_kwargs,
     )
-    torch.manual_seed(cfg.training.seed)
-    chunks = build_model_chunks(config, model_cfg.vocab_size, model_cfg.max_position_embeddings,
-                                share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights)
+    if model_cfg.hf_model:  # shape and weights from the HF folder, through Megatron-Bridge
+        from megatron_pg_agg.integrations.hf_bridge import HFFolderError, open_hf_model  # noqa: PLC0415
+
+        for shape_field in ("num_moe_experts", "add_bias_linear"):  # the HF config's
+            settings.pop(shape_field, None)
+        try:
+            chunks = open_hf_model(model_cfg.hf_model).build_chunks(**{**hf_contract_settings(), **settings})
+        except HFFolderError as err:  # missing or extra tensors: found once the model's names are known
+            raise StartupError(str(err)) from err
+        config = get_model_config(chunks[0])
+    else:
+        config = transformer_config(
+            num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+            ffn_hidden_size=model_cfg.ffn_hidden_size, num_attention_heads=model_cfg.num_attention_heads,
+            mtp_num_layers=model_cfg.mtp_num_layers, mtp_loss_scaling_factor=model_cfg.mtp_loss_scaling_factor,
+            **settings)
+        torch.manual_seed(cfg.training.seed)
+        tied = not model_cfg.untie_embeddings_and_output_weights
+        chunks = build_model_chunks(config, model_cfg.vocab_size, model_cfg.max_position_embeddings,
+                                    share_embeddings_and_output_weights=tied)
     if cuda:
         chunks = [c.cuda() for c in chunks]
     ddp_config = default_ddp_config(grad_reduce_in_fp32=True)
@@ -300,6 +315,8 @@ def close(s: Session, record: dict) -> dict:
     ckpt, state = s.cfg.checkpoint, s.state
     if ckpt.save and not ckpt.interval_save_due(state.iteration):
         _save(s)
+    if ckpt.save_hf and not ckpt.interval_save_hf_due(state.iteration):
+        _save_hf(s)
     checksum = _param_checksum(s.model)
     if s.rank == 0:
         record["param_checksum"] = checksum
@@ -325,6 +342,8 @@ def train(cfg: RunConfig) -> dict:
             s.log.log(record)
         if cfg.checkpoint.interval_save_due(s.state.iteration):
             _save(s)
+        if cfg.checkpoint.interval_save_hf_due(s.state.iteration):
+            _save_hf(s)
     return close(s, record)
 
 
@@ -332,3 +351,12 @@ def _save(s: Session) -> None:
     """This iteration's checkpoint under ``--save`` (with the skipped-step count)."""
     save_checkpoint(s.cfg.checkpoint.save, s.state.iteration, s.model, s.optimizer, s.rank,
                     {"skipped": s.state.skipped})
+
+
+def _save_hf(s: Session) -> None:
+    """The live model as an HF folder under ``--save-hf`` (every rank exports; rank 0 writes)."""
+    from megatron_pg_agg.integrations.hf_bridge import open_hf_model, save_hf_folder  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    out = save_hf_folder(open_hf_model(s.cfg.model.hf_model), s.model, s.cfg.checkpoint.save_hf, rank=s.rank)
+    logger.info(f"iteration {s.state.iteration}: wrote the HF folder {out} ({time.perf_counter() - t0:.1f} s)")

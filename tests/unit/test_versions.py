@@ -34,7 +34,8 @@ def test_the_readme_table_is_the_tested_legs():
     block = re.search(r"<!-- tested-versions:[^\n]*-->\n(.*?)\n<!-- /tested-versions -->", readme, re.S)
     assert block and block.group(1).strip() == versions.tested_table()
     for leg in versions.TESTED:  # every row is a leg, in the order .ci/run runs them
-        assert f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} |" in block.group(1)
+        assert (f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
+                f"{leg.megatron_bridge or '-'} |") in block.group(1)
 
 
 def test_ci_runs_the_legs_of_versions_py():
@@ -45,12 +46,16 @@ def test_ci_runs_the_legs_of_versions_py():
     lines = versions._ci_legs().splitlines()
     assert len(lines) == len(versions.TESTED) >= 5
     for line, leg in zip(lines, versions.TESTED):
-        core, tag, checkout, python, torch, suite = line.split()
+        core, tag, checkout, python, torch, suite, bridge = line.split()
+        assert bridge == (leg.megatron_bridge or "-")
         assert versions.in_range(core) and suite in ("full", "unit+megatron-lm")
         assert tag.startswith("core_v" + ".".join(core.split(".")[:2]))
         assert checkout == leg.checkout
     assert {leg.megatron_core.rsplit(".", 1)[0] for leg in versions.TESTED} == {"0.15", "0.16", "0.17", "0.18", "0.19"}
     assert sum(leg.suite == "full" for leg in versions.TESTED) == 2
+    # the Bridge tests run on a full leg of megatron-core 0.19 (megatron-bridge 0.6's release)
+    bridged = [leg for leg in versions.TESTED if leg.megatron_bridge]
+    assert [(leg.megatron_core[:5], leg.python, leg.suite) for leg in bridged] == [("0.19.", "3.12", "full")]
 
 
 def test_releases_outside_the_range_are_refused_with_reasons(monkeypatch):

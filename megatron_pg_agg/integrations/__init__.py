@@ -1,0 +1,13 @@
+"""Integrations with the frameworks users already run, beside :mod:`megatron_pg_agg.training`.
+
+Each calls the same planner, step runner and loss as the trainer; none is imported by the package
+itself, so ``import megatron_pg_agg`` works without the framework installed.
+
+``hf_folder`` (:mod:`.hf_folder`)
+    Host checks of a local Hugging Face causal-LM folder (config, weights, tokenizer files) and of
+    the install Megatron-Bridge needs; no torch, megatron-core or Megatron-Bridge import.
+``hf_bridge`` (:mod:`.hf_bridge`)
+    Hugging Face checkpoints in and out through Megatron-Bridge: the model shape of a folder, its
+    megatron-core model chunks with the weights loaded, the live model's HF weights as
+    ``(name, tensor)`` pairs, and an atomically written HF folder.
+"""
