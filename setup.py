@@ -29,7 +29,9 @@ MEGATRON_RL = ["wandb", "tqdm", "httpx", "openai", "fastapi", "uvicorn"]
 # the HF import/export path, installed after `pip install --no-deps megatron-bridge==0.6.2` (its full
 # dependency set does not install from the index: docs/hf-models.md). Python 3.12 and megatron-core 0.19
 # only, as megatron-bridge 0.6 itself.
-BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "nvidia-modelopt==0.47.0", "requests"]
+BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "nvidia-modelopt==0.47.0", "requests",
+          # Megatron-Bridge's own training loop (launch/train_bridge_actor.py, integrations.bridge_loop)
+          "datasets>=2.20", "megatron-energon~=7.0", "tensorboard>=2.19"]
 
 setup(
     name="megatron_pg_agg",

@@ -34,6 +34,8 @@ Patches
     ``megatron_rl_cpu`` (:mod:`.megatron_rl_cpu`): the RL loop's data path on CPU. CPU-only.
     ``bridge_cpu`` (:mod:`.bridge_cpu`): Megatron-Bridge imports without Transformer Engine (a
     stand-in for its LoRA layers module). megatron-core 0.19, megatron-bridge 0.6. CPU-only.
+    ``bridge_loop_cpu`` (:mod:`.bridge_loop_cpu`): Megatron-Bridge's own training loop on CPU
+    (``allow_no_cuda``, the CUDA spots of its set-up, loop and loaders). CPU-only.
 
 Usage::
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 from . import (
     _machinery,
     bridge_cpu,
+    bridge_loop_cpu,
     cpu_gloo,
     megatron_lm_cpu,
     megatron_lm_log,
@@ -76,6 +79,7 @@ PATCHES: dict[str, Patch] = {
     megatron_rl.NAME: megatron_rl.PATCH,
     megatron_rl_cpu.NAME: megatron_rl_cpu.PATCH,
     bridge_cpu.NAME: bridge_cpu.PATCH,
+    bridge_loop_cpu.NAME: bridge_loop_cpu.PATCH,
 }
 """Every known patch, by name, in application order."""
 
@@ -83,7 +87,8 @@ PATCHES: dict[str, Patch] = {
 def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
                            mtp_loss: bool = False, megatron_rl: bool = False,
-                           megatron_rl_cpu: bool = False, bridge_cpu: bool = False) -> list[str]:
+                           megatron_rl_cpu: bool = False, bridge_cpu: bool = False,
+                           bridge_loop_cpu: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -92,7 +97,8 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
     """
     wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
-              "megatron_rl_cpu": megatron_rl_cpu, "bridge_cpu": bridge_cpu}
+              "megatron_rl_cpu": megatron_rl_cpu, "bridge_cpu": bridge_cpu,
+              "bridge_loop_cpu": bridge_loop_cpu}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

@@ -62,6 +62,26 @@ def _lora_layers_stand_in(name: str) -> types.ModuleType:
     return module
 
 
+RESILIENCY = "nvidia_resiliency_ext"
+RESILIENCY_INPROCESS = "nvidia_resiliency_ext.inprocess"
+
+
+def _resiliency_stand_in(name: str) -> types.ModuleType:
+    """``nvidia_resiliency_ext`` (a package) and its ``inprocess`` module: Bridge's ``pretrain.py``
+    imports ``CallWrapper`` at its top for a type annotation only; in-process restart, the one
+    feature that uses it, stays off (``ConfigContainer.inprocess_restart`` None)."""
+    module = types.ModuleType(name, "Stand-in (megatron_pg_agg bridge_cpu): nvidia-resiliency-ext is not installed.")
+    if name == RESILIENCY:
+        module.__path__ = []  # a package: its inprocess submodule is stood in too
+    else:
+        def refuse(cls, *args, **kwargs):
+            raise RuntimeError("in-process restart needs nvidia-resiliency-ext (not installable from the index; "
+                               "megatron_pg_agg's bridge_cpu patch stands in for it on CPU)")
+
+        module.CallWrapper = type("CallWrapper", (), {"__new__": refuse, "__module__": name})
+    return module
+
+
 def installed_bridge_version() -> str | None:
     """The installed megatron-bridge distribution's version; None without one."""
     import importlib.metadata  # noqa: PLC0415  (metadata only: megatron.bridge itself is not imported)
@@ -90,7 +110,9 @@ PATCH = Patch(
     supported=SUPPORTED,
     why=__doc__,
     precondition=_require_cpu_and_bridge,
-    stand_ins=(StandIn(LORA_LAYERS, "transformer_engine", _lora_layers_stand_in),),
+    stand_ins=(StandIn(LORA_LAYERS, "transformer_engine", _lora_layers_stand_in),
+               StandIn(RESILIENCY, RESILIENCY, _resiliency_stand_in),
+               StandIn(RESILIENCY_INPROCESS, RESILIENCY, _resiliency_stand_in)),
     targets=(Target(PARAM_MAPPING, "torch", make_torch_proxy()),),
     unsupported_reason="megatron-bridge 0.6 is built on megatron-core 0.19 (its Requires-Dist); install 0.19.x.",
 )

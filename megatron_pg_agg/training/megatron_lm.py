@@ -33,16 +33,14 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass
-from functools import partial
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig, StepTotals, correction_values, report_values
-from megatron_pg_agg.data.planner import Microbatch, plan_step, policy_loss_notes
-from megatron_pg_agg.data.rollouts import PlanError
+from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig
+from megatron_pg_agg.data.feed import RolloutFeed
+from megatron_pg_agg.data.planner import policy_loss_notes
 from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp_loss
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
@@ -188,62 +186,6 @@ def _mtp_problems(args, megatron_core: str) -> list:
 # ----------------------------------------------------------------------------- data
 
 
-@dataclass(frozen=True)
-class PlannedMicrobatch:
-    """One item of the data iterator: a THD microbatch and its step's host totals."""
-
-    microbatch: Microbatch
-    totals: StepTotals
-    iteration: int
-    """0-based iteration (optimizer step) the microbatch belongs to."""
-
-
-class RolloutFeed:
-    """The rollout steps of a run, planned per iteration on the host (identically on every rank).
-
-    ``steps`` maps a step key to its :class:`~megatron_pg_agg.data.rollouts.RolloutBatch`; iteration
-    ``i`` trains on ``steps[keys[i mod S]]``."""
-
-    def __init__(self, steps: dict, loss_cfg, plan_cfg, *, dp_rank: int, cp_rank: int, pin: bool = False):
-        self.steps, self.keys = steps, sorted(steps)
-        self.pin = pin  # CUDA: page-locked microbatches, so the forward step's copies are async
-        self.loss_cfg, self.plan_cfg = loss_cfg, plan_cfg
-        self.dp_rank, self.cp_rank = dp_rank, cp_rank
-        self._plans: dict = {}
-
-    def step_key(self, iteration: int):
-        return self.keys[iteration % len(self.keys)]
-
-    def plan(self, iteration: int):
-        """The plan of ``iteration`` (each rollout step is planned once and kept)."""
-        key = self.step_key(iteration)
-        if key not in self._plans:
-            plan = plan_step(self.steps[key], self.loss_cfg, self.plan_cfg, cp_rank=self.cp_rank)
-            if self.pin:
-                plan.microbatches = [[mb.pin_memory() for mb in row] for row in plan.microbatches]
-            self._plans[key] = plan
-        return self._plans[key]
-
-    def problems(self) -> list:
-        """Plan every step once (vocabulary, capacity, microbatch count), listing each failure."""
-        found = []
-        for i, key in enumerate(self.keys):
-            try:
-                self.plan(i)
-            except PlanError as err:
-                found.append(f"rollout step {key}: {err}")
-        return found
-
-    def microbatches(self, start_iteration: int) -> Iterator[PlannedMicrobatch]:
-        """This rank's microbatches, iteration after iteration, from ``start_iteration`` on."""
-        iteration = start_iteration
-        while True:
-            plan = self.plan(iteration)
-            for mb in plan.for_rank(self.dp_rank):
-                yield PlannedMicrobatch(mb, plan.totals, iteration)
-            iteration += 1
-
-
 # ----------------------------------------------------------------------------- the actor
 
 
@@ -261,13 +203,11 @@ class Actor:
         self.steps, self.cuda = steps, cuda
         self.feed: Optional[RolloutFeed] = None
         self.metrics_path = args.pg_metrics_file
-        self._checked_config = False
         self.moe = bool(args.num_experts)
         """Routers' aux/z losses keep Megatron's strength: patch ``moe_aux_loss``, factor per step."""
-        self._moe_iteration = None
         self.mtp = bool(args.mtp_num_layers)
         """Multi-token prediction: patch ``mtp_loss``, factor ``W / D`` per step, ``mtp_loss`` reported."""
-        self._mtp_iteration = None
+        self._forward = None  # the PlannedForward, made at the first microbatch (after the feed)
         self._first_logged: Optional[int] = None
 
     # Megatron-LM's model provider, with the THD core attention where TE is not used
@@ -332,33 +272,16 @@ class Actor:
 
     def forward_step(self, data_iterator, model):
         """Megatron-LM forward step: the next planned microbatch through the model, and the
-        per-token loss function with that step's host totals."""
-
-        from megatron.core import parallel_state as mpu
-
-        from megatron_pg_agg.megatron.loss_func import forward_microbatch, mtp_factor_of, pg_loss_func
-
-        if not self._checked_config:
+        per-token loss function with that step's host totals (:class:`PlannedForward`)."""
+        if self._forward is None:
             self._check_config(model)
-        item = next(data_iterator)
-        if self.moe and item.iteration != self._moe_iteration:
-            # once per step, before its first forward: under 1F1B the step's backwards all
-            # finish before the optimizer step, so no later step's factor can reach them
-            from megatron_pg_agg.megatron.moe import begin_moe_step
+            from megatron_pg_agg.megatron.planned_step import PlannedForward
 
-            begin_moe_step(item.totals.pg_weight, self.feed.plan_cfg.num_microbatches, self.feed.plan_cfg.dp_size)
-            self._moe_iteration = item.iteration
-        if self.mtp and item.iteration != self._mtp_iteration:
-            # once per step, before its first forward (the factor is per step, as for MoE)
-            from megatron_pg_agg.megatron.mtp import begin_mtp_step
-
-            begin_mtp_step(item.totals)
-            self._mtp_iteration = item.iteration
-        mb = item.microbatch.to("cuda") if self.cuda else item.microbatch
-        output = forward_microbatch(model, mb)
-        return output, partial(pg_loss_func, mb, self.loss_cfg, item.totals,
-                               mpu.get_tensor_model_parallel_group(),
-                               cp_group=mpu.get_context_parallel_group(), mtp_factor=mtp_factor_of(model))
+            plan_cfg = self.feed.plan_cfg if self.feed is not None else None  # the RL entry: no feed, no MoE
+            self._forward = PlannedForward(self.loss_cfg, cuda=self.cuda, moe=self.moe, mtp=self.mtp,
+                                           num_microbatches=plan_cfg and plan_cfg.num_microbatches,
+                                           dp_size=plan_cfg and plan_cfg.dp_size)
+        return self._forward(next(data_iterator), model)
 
     def _check_config(self, model) -> None:
         """The real model config and DDP config Megatron-LM built, checked before the first
@@ -371,7 +294,6 @@ class Actor:
             check_megatron_config(get_model_config(model), getattr(model, "ddp_config", None))
         except MegatronConfigError as err:
             raise StartupError(str(err)) from err
-        self._checked_config = True
 
     def step_ran(self, iteration: int) -> tuple:
         """``(plan, {record fields naming its data})`` of 0-based ``iteration``."""
@@ -383,25 +305,14 @@ class Actor:
         Megatron-LM's TensorBoard writer writes scalars."""
         from megatron.training import get_args, get_tensorboard_writer
 
+        from megatron_pg_agg.megatron.planned_step import iteration_record
+
         args = get_args()
-        # Megatron-LM reduced each [sum, count] pair and divided: loss_dict holds sum / count
-        keys = REPORT_KEYS + (("mtp_loss",) if self.mtp else ())
-        values = torch.tensor([float(event.loss_dict[k]) if k in event.loss_dict else math.nan
-                               for k in keys], dtype=torch.float64,
-                              device="cuda" if self.cuda else "cpu")
-        dist.broadcast(values, src=dist.get_world_size() - 1)
         plan, where = self.step_ran(event.iteration - 1)
-        totals = plan.totals
-        reduced = dict(zip(keys, values.tolist()))
-        present = {k: (reduced[k], 1.0) for k in REPORT_KEYS if not math.isnan(reduced[k])}  # NaN: not reported
-        record = {"iteration": event.iteration, **report_values(present, totals.pg_weight),
-                  **correction_values(plan.correction_stats)}
-        if self.mtp:  # as the trainer records it: [sum, count], the count being the step's D
-            mtp_value = reduced["mtp_loss"]
-            record["mtp_loss"] = ([mtp_value * totals.valid_tokens, float(totals.valid_tokens)]
-                                  if not math.isnan(mtp_value) else [0.0, 0.0])
-        record.update(weight=totals.pg_weight, valid_tokens=totals.valid_tokens, **where, grad_norm=event.grad_norm,
-                      learning_rate=event.learning_rate, skipped=bool(event.skipped_iter))
+        record, reduced = iteration_record(event.loss_dict, plan, iteration=event.iteration, mtp=self.mtp,
+                                           cuda=self.cuda)
+        record.update(**where, grad_norm=event.grad_norm, learning_rate=event.learning_rate,
+                      skipped=bool(event.skipped_iter))
         writer = get_tensorboard_writer()
         if writer and event.iteration % args.tensorboard_log_interval == 0:
             for key in ("weight", "valid_tokens", *REPORT_KEYS):

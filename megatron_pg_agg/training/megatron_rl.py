@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.feed import PlannedMicrobatch
 from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, megatron_rl
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
@@ -45,7 +46,6 @@ from .logs import setup_logging
 from .megatron_lm import (
     PG_PREFIX,
     Actor,
-    PlannedMicrobatch,
     _pretrain,
     find_checkout,
     run_entry,

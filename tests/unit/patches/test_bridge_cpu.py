@@ -24,6 +24,10 @@ def test_the_lora_stand_in_defines_what_peft_imports_and_refuses_to_build():
         cls = getattr(module, name)
         with pytest.raises(RuntimeError, match="LoRA through Megatron-Bridge needs Transformer Engine"):
             cls()
+    resiliency = bridge_cpu._resiliency_stand_in(bridge_cpu.RESILIENCY_INPROCESS)
+    with pytest.raises(RuntimeError, match="in-process restart needs nvidia-resiliency-ext"):
+        resiliency.CallWrapper()
+    assert bridge_cpu._resiliency_stand_in(bridge_cpu.RESILIENCY).__path__ == []  # a package
 
 
 @pytest.mark.skipif(BRIDGE_RELEASE, reason="the refusal outside megatron-core 0.19 / without megatron-bridge")
@@ -41,7 +45,7 @@ from megatron_pg_agg.patches._machinery import MARKER, apply, revert, stood_in
 
 assert "transformer_engine" not in sys.modules  # the condition the stand-in is for
 assert apply(bridge_cpu.PATCH)
-assert stood_in(bridge_cpu.PATCH) == [bridge_cpu.LORA_LAYERS]
+assert stood_in(bridge_cpu.PATCH) == [bridge_cpu.LORA_LAYERS, bridge_cpu.RESILIENCY, bridge_cpu.RESILIENCY_INPROCESS]
 assert getattr(sys.modules[bridge_cpu.LORA_LAYERS], MARKER) == bridge_cpu.NAME
 from megatron.bridge import AutoBridge  # imports through the stand-in
 from megatron.bridge.models.conversion import param_mapping
@@ -51,6 +55,7 @@ assert getattr(proxy, MARKER) == bridge_cpu.NAME and str(proxy.cuda.current_devi
 assert proxy.zeros(2).sum().item() == 0  # everything else is the real torch
 assert revert(bridge_cpu.PATCH)
 assert param_mapping.torch is torch and bridge_cpu.LORA_LAYERS not in sys.modules
+assert bridge_cpu.RESILIENCY not in sys.modules
 print("bridge_cpu: applied and reverted")
 """
 
