@@ -19,8 +19,11 @@ from tests.support.launching import ROOT, child_env, run, torchrun, worker
 
 REQUIRE_BRIDGE = "MEGATRON_PG_AGG_REQUIRE_BRIDGE"
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+TIED = "qwen3_tied"  # tie_word_embeddings (as Qwen3's small models): one weight, across PP stages too
 MODES = {"token_mean": [], "seq_mean": [], "prompt_mean": [],
          "constant": ["--pg-loss-aggregation-divisor", "7"]}
+POLICY_LOSSES = {f"{loss}-prompt_mean": ["--pg-policy-loss", loss, "--pg-loss-aggregation", "prompt_mean"]
+                 for loss in ("gspo", "gmpo", "cispo")}
 CHECKS, REFERENCE, RUNS = worker("hf_checks"), worker("hf_reference"), worker("trainer_runs")
 TRAIN = ROOT / "launch" / "train_actor.py"
 IDS = [3, 17, 99, 5, 64, 1, 127, 42, 8, 23, 77, 0, 64]
@@ -46,12 +49,13 @@ def models(tmp_path_factory):
     """``{family: folder}``: tiny models made by the project's command (4 layers: PP2 with virtual stages)."""
     root = tmp_path_factory.mktemp("hf")
     made = {}
-    for family in FAMILIES:
-        out = root / family
+    for name in (*FAMILIES, TIED):
+        out = root / name
+        family, tie = (name, []) if name != TIED else ("qwen3", ["--tie-word-embeddings"])
         rc, log, _ = run([sys.executable, "-m", "megatron_pg_agg.integrations.tiny_hf", "--family", family,
-                          "--seed", "3", str(out)], 120, f"tiny {family}", env=child_env())
+                          "--seed", "3", *tie, str(out)], 120, f"tiny {name}", env=child_env())
         assert rc == 0, log[-5000:]
-        made[family] = str(out)
+        made[name] = str(out)
     return made
 
 
@@ -70,7 +74,7 @@ def reference(models, rollouts, tmp_path_factory):
     """``{family: {mode: {objective, weight, grad_norm}}}`` from transformers in float64."""
     tmp = tmp_path_factory.mktemp("reference")
     spec, out = tmp / "spec.json", tmp / "out.json"
-    variants = {mode: ["--pg-loss-aggregation", mode, *extra] for mode, extra in MODES.items()}
+    variants = {**{mode: ["--pg-loss-aggregation", mode, *extra] for mode, extra in MODES.items()}, **POLICY_LOSSES}
     spec.write_text(json.dumps({"models": models, "rollouts": rollouts, "variants": variants}))
     rc, log, _ = run([sys.executable, *REFERENCE, str(spec), str(out)], 600, "transformers reference",
                      env=child_env())
@@ -93,7 +97,7 @@ def test_load_export_and_logits_against_transformers(models, tmp_path):
     rc, log, elapsed = run(torchrun(2, *CHECKS, spec, out), 600, "HF checks")
     assert rc == 0, log[-20000:]
     result = json.loads(out.read_text())
-    for family in FAMILIES:
+    for family in (*FAMILIES, TIED):
         layouts = result["checks"][family]
         assert set(layouts) == {"DP2", "EP2" if family == "qwen3_moe" else "TP2", "PP2"}
         for layout, got in layouts.items():
@@ -131,59 +135,127 @@ LAYOUTS = {
 
 
 def _layouts(family: str) -> list:
+    if family == TIED:
+        return ["TP2", "PP2"]  # the shared weight split over TP, and held by both PP stages
     names = ["1", "DP2", "EP2" if family == "qwen3_moe" else "TP2", "PP2"]
     return names + (["PP2-VPP2"] if family == "qwen3" else [])
 
 
-def test_iteration_one_equals_the_transformers_float64_reference(models, rollouts, reference, tmp_path):
-    """Every family x layout x mode: iteration 1's objective, weight and pre-clip gradient norm
-    against transformers in float64 on the same rollout file. 2 launches (1 and 2 ranks)."""
+MOE_AUX = "qwen3_moe-EP2-aux"
+BRIDGE_COMMON = ["--pg-loss-aggregation", "prompt_mean", "--train-iters", "2", "--lr", "0.01"]
+BRIDGE_LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"]}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(models, rollouts, tmp_path_factory):
+    """Every trainer run of the module in two launches (1 and 2 ranks; workers/trainer_runs.py):
+    ``{name: {"run": the run, "records": its metrics records, "log": its launch's output}}``.
+
+    Iteration 1 of every family x layout x mode, and of every policy loss on Qwen3 (DP2, TP2);
+    Qwen3-MoE with the router aux loss (2 iterations); the runs Megatron-Bridge's loop is compared
+    with (Qwen3, DP2 and TP2, 2 iterations); three refused starts (status 2: missing and extra
+    tensors, shape conflicts)."""
+    tmp = tmp_path_factory.mktemp("trainer_runs")
     runs = {1: [], 2: []}
-    for family in FAMILIES:
+
+    def add(name, family, layout, variant, flags, iterations=1):
+        nproc, layout_flags = LAYOUTS[layout]
+        runs[nproc].append({"name": name, "family": family, "layout": layout, "mode": variant, "argv": [
+            "--hf-model", models[family], "--rollouts", rollouts, "--train-iters", str(iterations), *flags,
+            *layout_flags, "--metrics-file", str(tmp / f"{name}.jsonl")]})
+
+    for family in (*FAMILIES, TIED):
         for layout in _layouts(family):
-            nproc, flags = LAYOUTS[layout]
             for mode, extra in MODES.items():
-                name = f"{family}-{layout}-{mode}"
-                runs[nproc].append({"name": name, "family": family, "layout": layout, "mode": mode, "argv": [
-                    "--hf-model", models[family], "--rollouts", rollouts, "--train-iters", "1",
-                    "--pg-loss-aggregation", mode, *extra, *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl")]})
-    worst = {}
+                add(f"{family}-{layout}-{mode}", family, layout, mode, ["--pg-loss-aggregation", mode, *extra])
+    for layout in ("DP2", "TP2"):  # every policy loss, on the Qwen3 model
+        for variant, flags in POLICY_LOSSES.items():
+            add(f"qwen3-{layout}-{variant}", "qwen3", layout, variant, flags)
+    add(MOE_AUX, "qwen3_moe", "EP2", "aux", ["--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type",
+                                              "alltoall", "--pg-loss-aggregation", "seq_mean"], iterations=2)
+    for layout in BRIDGE_LAYOUTS:
+        runs[2].append({"name": f"bridge-twin-{layout}", "argv": [
+            "--hf-model", models["qwen3"], "--rollouts", rollouts, *BRIDGE_COMMON, *BRIDGE_LAYOUTS[layout],
+            "--metrics-file", str(tmp / f"bridge-twin-{layout}.jsonl")]})
+    bad = _bad_folders(models, tmp)
+    for name, (flags, _) in REFUSED.items():
+        folder = models["qwen3"] if name == "refused-conflicts" else bad[name.split("-")[1]]
+        runs[2].append({"name": name, "expect": 2, "argv": [
+            "--hf-model", folder, "--rollouts", rollouts, *flags, "--metrics-file", str(tmp / f"{name}.jsonl")]})
+    done = {}
     for nproc, batch in runs.items():
-        spec, status = tmp_path / f"runs{nproc}.json", tmp_path / f"status{nproc}.json"
+        spec, status = tmp / f"runs{nproc}.json", tmp / f"status{nproc}.json"
         spec.write_text(json.dumps(batch))
         rc, log, elapsed = run(torchrun(nproc, *RUNS, spec, status), 900, f"HF runs on {nproc} rank(s)")
         assert rc == 0, log[-20000:]
-        assert json.loads(status.read_text()) == {r["name"]: 0 for r in batch}, log[-20000:]
-        print(f"{len(batch)} HF runs on {nproc} rank(s): {elapsed:.1f}s")
-    for batch in runs.values():
+        assert json.loads(status.read_text()) == {r["name"]: r.get("expect", 0) for r in batch}, log[-20000:]
+        print(f"{len(batch)} HF trainer runs on {nproc} rank(s): {elapsed:.1f}s")
         for r in batch:
-            family, layout, mode = r["family"], r["layout"], r["mode"]
-            record = [json.loads(line) for line in open(tmp_path / f"{r['name']}.jsonl")][0]
-            ref = reference[family][mode]
-            assert record["iteration"] == 1 and record["weight"] == ref["weight"], (r["name"], record, ref)
-            obj_err = abs(record["objective"] - ref["objective"]) / max(abs(ref["objective"]), 1e-2)
-            norm_err = abs(record["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
-            assert obj_err <= 2e-6 and norm_err <= 2e-5, (r["name"], obj_err, norm_err, record, ref)
-            key = (family, layout)
-            worst[key] = (max(worst.get(key, (0, 0))[0], obj_err), max(worst.get(key, (0, 0))[1], norm_err))
+            path = tmp / f"{r['name']}.jsonl"
+            records = [json.loads(line) for line in open(path)] if path.exists() else []
+            done[r["name"]] = {"run": r, "records": [x for x in records if not x.get("final")], "log": log}
+    return done
+
+
+def test_iteration_one_equals_the_transformers_float64_reference(trainer_runs, reference):
+    """Every family x layout x mode (and every policy loss on Qwen3): iteration 1's objective,
+    weight and pre-clip gradient norm against transformers in float64 on the same rollout file."""
+    worst = {}
+    checked = [r for r in trainer_runs.values() if r["run"].get("family") and r["run"]["name"] != MOE_AUX]
+    assert len(checked) == 16 + 4 * 3 * 4 + 4 + 2 * 4 + 2 * 3
+    for done in checked:
+        family, layout, mode = done["run"]["family"], done["run"]["layout"], done["run"]["mode"]
+        record, ref = done["records"][0], reference[family][mode]
+        assert record["iteration"] == 1 and record["weight"] == ref["weight"], (done["run"]["name"], record, ref)
+        # the objective against max(|J|, 0.5): its terms have |A| ~ 1 and may cancel to a small J
+        obj_err = abs(record["objective"] - ref["objective"]) / max(abs(ref["objective"]), 0.5)
+        norm_err = abs(record["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+        assert obj_err <= 1e-6 and norm_err <= 2e-5, (done["run"]["name"], obj_err, norm_err, record, ref)
+        key = (family, layout)
+        worst[key] = (max(worst.get(key, (0, 0))[0], obj_err), max(worst.get(key, (0, 0))[1], norm_err))
     for (family, layout), (obj_err, norm_err) in sorted(worst.items()):
-        print(f"{family} {layout}: objective {obj_err:.1e}, grad_norm {norm_err:.1e} (worst over the 4 modes)")
+        print(f"{family} {layout}: objective {obj_err:.1e}, grad_norm {norm_err:.1e} (worst over its runs)")
+
+
+def test_a_moe_checkpoint_trains_with_megatrons_router_aux_loss(trainer_runs):
+    """Qwen3-MoE with --moe-aux-loss-coeff on DP2 x EP2: the moe_aux_loss patch keeps the router loss
+    at Megatron's strength (it refuses a step without its factor), reported as [sum, count] pairs
+    over 4 MoE layers x 2 microbatches x 2 DP ranks, near 1 for a balanced router (coefficient x
+    E x sum f P ~ 1 at uniform routing), as for a model built from flags."""
+    done = trainer_runs[MOE_AUX]
+    # the one run of its launch with the alltoall dispatcher
+    assert "experts=4 top2 EP=2 dispatcher=alltoall" in done["log"], done["log"][-5000:]
+    assert len(done["records"]) == 2
+    for r in done["records"]:
+        total, count = r["moe_aux_loss"]
+        assert count == 4 * 2 * 2 and 0.9 < total / count < 1.5, r
+        assert r["grad_norm"] > 0 and not r["skipped"]
+    shown = [round(r["moe_aux_loss"][0] / r["moe_aux_loss"][1], 4) for r in done["records"]]
+    print(f"HF MoE aux loss per iteration {shown}")
 
 
 def test_acceptance_command_trains_qwen3_and_writes_an_hf_folder(models, rollouts, reference, tmp_path):
     """The issue's command: 2 ranks, prompt_mean, --save-hf (every iteration and at the end)."""
     metrics, out = tmp_path / "metrics.jsonl", tmp_path / "qwen3-trained"
-    rc, log, elapsed = run(torchrun(2, TRAIN, "--hf-model", models["qwen3"], "--rollouts", rollouts,
+    source = tmp_path / "qwen3-with-tokenizer"
+    source.mkdir()
+    for name in os.listdir(models["qwen3"]):
+        (source / name).write_bytes(open(os.path.join(models["qwen3"], name), "rb").read())
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 256}')  # copied to every written folder
+    rc, log, elapsed = run(torchrun(2, TRAIN, "--hf-model", source, "--rollouts", rollouts,
                                     "--pg-loss-aggregation", "prompt_mean", "--save-hf", out, "--save-hf-interval", 1,
                                     "--train-iters", 2, "--metrics-file", metrics), 300, "HF acceptance command")
     assert rc == 0, log[-20000:]
     first = json.loads(open(metrics).readline())
     ref = reference["qwen3"]["prompt_mean"]
     assert first["weight"] == ref["weight"]
-    assert abs(first["objective"] - ref["objective"]) <= 2e-6 * max(abs(ref["objective"]), 1e-2)
+    assert abs(first["objective"] - ref["objective"]) <= 1e-6 * max(abs(ref["objective"]), 0.5)
     assert log.count("wrote the HF folder") == 2, log[-5000:]  # after iterations 1 and 2, none twice
     leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".")]
     assert leftovers == [], leftovers
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 256}'
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer_config.json"]
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,16 +264,15 @@ def test_acceptance_command_trains_qwen3_and_writes_an_hf_folder(models, rollout
     print(f"HF acceptance command: {elapsed:.1f}s")
 
 
-def test_bad_folders_and_conflicting_flags_are_refused(models, tmp_path):
-    """Exit 2 naming the file and the tensor (missing and extra weights: Megatron-Bridge alone would
-    warn and train a random tensor), the flag and both values (shape conflicts, all at once), or
-    the reason (not a causal LM, no safetensors)."""
+def _bad_folders(models, tmp) -> dict:
+    """Copies of the Qwen3 folder with one tensor missing and one extra, a non-causal-LM folder and
+    one with only a .bin checkpoint."""
     import torch
     from safetensors.torch import load_file, save_file
 
     bad = {}
     for kind in ("missing", "extra"):
-        folder = tmp_path / kind
+        folder = tmp / kind
         folder.mkdir()
         for name in os.listdir(models["qwen3"]):
             (folder / name).write_bytes((open(os.path.join(models["qwen3"], name), "rb")).read())
@@ -212,75 +283,78 @@ def test_bad_folders_and_conflicting_flags_are_refused(models, tmp_path):
             tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(3)
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
         bad[kind] = folder
-    not_lm = tmp_path / "encoder"
-    not_lm.mkdir()
-    (not_lm / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
-    no_weights = tmp_path / "no-weights"
-    no_weights.mkdir()
-    (no_weights / "config.json").write_text(open(os.path.join(models["qwen3"], "config.json")).read())
-    (no_weights / "pytorch_model.bin").write_bytes(b"")
-    cases = [
-        (2, ["--hf-model", bad["missing"], "--pipeline-model-parallel-size", "2"],
-         ["the weights lack 1 tensor(s)", "model.layers.1.self_attn.k_norm.weight", "model.safetensors"], []),
-        (1, ["--hf-model", bad["extra"]],
-         ["model.layers.0.mlp.extra_proj.weight (in model.safetensors)", "belong to no parameter"], []),
-        # every conflict at once; an explicit flag equal to the config's value is none (the heads)
-        (1, ["--hf-model", models["qwen3"], "--num-layers", "2", "--hidden-size", "32", "--vocab-size", "256",
-             "--num-attention-heads", "4"],
-         ["--num-layers 2 disagrees", "num_layers = 4", "--hidden-size 32 disagrees", "hidden_size = 64",
-          "--vocab-size 256 disagrees", "vocab_size = 128"], ["--num-attention-heads"]),
-        (1, ["--hf-model", not_lm], ["not a causal LM", "BertModel"], []),
-        (1, ["--hf-model", no_weights], ["no safetensors weights", "pytorch_model.bin"], []),
-        (1, ["--save-hf", tmp_path / "x"], ["--save-hf needs --hf-model"], []),
-    ]
-    for nproc, argv, words, absent in cases:
-        cmd = torchrun(nproc, TRAIN, *argv, "--metrics-file", tmp_path / "m.jsonl") if nproc > 1 else \
-            [sys.executable, str(TRAIN), *map(str, argv), "--metrics-file", str(tmp_path / "m.jsonl")]
-        rc, log, _ = run(cmd, 300, f"refused {argv[:2]}")
-        assert rc != 0 and "refusing to start" in log, (argv, log[-5000:])
-        if nproc == 1:
-            assert rc == 2, (argv, rc)
+    bad["not_lm"] = tmp / "encoder"
+    bad["not_lm"].mkdir()
+    (bad["not_lm"] / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    bad["no_weights"] = tmp / "no-weights"
+    bad["no_weights"].mkdir()
+    (bad["no_weights"] / "config.json").write_text(open(os.path.join(models["qwen3"], "config.json")).read())
+    (bad["no_weights"] / "pytorch_model.bin").write_bytes(b"")
+    return {k: str(v) for k, v in bad.items()}
+
+
+REFUSED = {
+    # name: (what the run is given, what the refusal must name)
+    "refused-missing": (["--pipeline-model-parallel-size", "2"],
+                        ["the weights lack 1 tensor(s)", "model.layers.1.self_attn.k_norm.weight",
+                         "(looked in ['model.safetensors'])"]),
+    "refused-extra": ([], ["model.layers.0.mlp.extra_proj.weight (in model.safetensors)", "belong to no parameter"]),
+    # every conflict at once; an explicit flag equal to the config's value is none (the heads)
+    "refused-conflicts": (["--num-layers", "2", "--hidden-size", "32", "--vocab-size", "256",
+                           "--num-attention-heads", "4"],
+                          ["--num-layers 2 disagrees", "num_layers = 4", "--hidden-size 32 disagrees",
+                           "hidden_size = 64", "--vocab-size 256 disagrees", "vocab_size = 128"]),
+}
+
+
+def test_bad_folders_and_conflicting_flags_are_refused(models, trainer_runs, tmp_path):
+    """Exit 2 naming the file and the tensor (missing and extra weights: Megatron-Bridge alone would
+    warn and train a random tensor), the flag and both values (shape conflicts, all at once), or
+    the reason (not a causal LM, no safetensors). The first three ran in the trainer batch (status
+    2 each, checked there); the others stop before Megatron-Bridge is imported."""
+    log = trainer_runs["refused-missing"]["log"]
+    for name, (_, words) in REFUSED.items():
         for word in words:
-            assert word in log, (word, log[-5000:])
-        refusal = log[log.index("refusing to start"):]
-        for word in absent:
-            assert word not in refusal, (word, refusal[:3000])
+            assert word in log, (name, word, log[-5000:])
+    assert "--num-attention-heads 4 disagrees" not in log
+    bad = _bad_folders(models, tmp_path)
+    cases = [
+        (["--hf-model", bad["not_lm"]], ["not a causal LM", "BertModel"]),
+        (["--hf-model", bad["no_weights"]], ["no safetensors weights", "pytorch_model.bin"]),
+        (["--save-hf", tmp_path / "x"], ["--save-hf needs --hf-model"]),
+    ]
+    for argv, words in cases:
+        rc, out, _ = run([sys.executable, str(TRAIN), *map(str, argv), "--metrics-file", str(tmp_path / "m.jsonl")],
+                         300, f"refused {argv[:2]}", env=child_env())
+        assert rc == 2 and "refusing to start" in out, (argv, rc, out[-5000:])
+        for word in words:
+            assert word in out, (word, out[-5000:])
 
 
 BRIDGE_TRAIN = ROOT / "launch" / "train_bridge_actor.py"
 
 
-def test_megatron_bridge_loop_equals_the_trainer(models, rollouts, reference, tmp_path):
+def test_megatron_bridge_loop_equals_the_trainer(models, rollouts, reference, trainer_runs, tmp_path):
     """launch/train_bridge_actor.py (Megatron-Bridge's own pretrain loop, optimizer and scheduler,
     with the project's forward step) against the trainer, on DP2 and TP2, 2 iterations of
     prompt_mean: the same objective, weight and grad norm (the second iteration also checks that
     both took the same Adam step); iteration 1 also against transformers in float64."""
-    common = ["--hf-model", models["qwen3"], "--rollouts", rollouts, "--pg-loss-aggregation", "prompt_mean",
-              "--train-iters", "2", "--lr", "0.01"]
-    layouts = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"]}
-    trainer_runs = [{"name": f"trainer-{name}", "argv": [*common, *flags, "--metrics-file",
-                                                          str(tmp_path / f"trainer-{name}.jsonl")]}
-                    for name, flags in layouts.items()]
-    spec, status = tmp_path / "runs.json", tmp_path / "status.json"
-    spec.write_text(json.dumps(trainer_runs))
-    rc, log, _ = run(torchrun(2, *RUNS, spec, status), 600, "trainer runs")
-    assert rc == 0 and json.loads(status.read_text()) == {r["name"]: 0 for r in trainer_runs}, log[-20000:]
-    for name, flags in layouts.items():
+    for name, flags in BRIDGE_LAYOUTS.items():
         metrics = tmp_path / f"bridge-{name}.jsonl"
-        rc, log, elapsed = run(torchrun(2, BRIDGE_TRAIN, *common, *flags, "--metrics-file", metrics), 600,
-                               f"Bridge loop {name}")
+        rc, log, elapsed = run(torchrun(2, BRIDGE_TRAIN, "--hf-model", models["qwen3"], "--rollouts", rollouts,
+                                        *BRIDGE_COMMON, *flags, "--metrics-file", metrics), 600, f"Bridge loop {name}")
         assert rc == 0, log[-20000:]
         bridge = [json.loads(line) for line in open(metrics)]
-        trainer = [r for r in map(json.loads, open(tmp_path / f"trainer-{name}.jsonl")) if not r.get("final")]
+        trainer = trainer_runs[f"bridge-twin-{name}"]["records"]
         assert [r["iteration"] for r in bridge] == [r["iteration"] for r in trainer] == [1, 2]
         for b, t in zip(bridge, trainer):
             assert b["weight"] == t["weight"] and b["rollout_step"] == t["rollout_step"], (b, t)
-            obj_err = abs(b["objective"] - t["objective"]) / max(abs(t["objective"]), 1e-2)
+            obj_err = abs(b["objective"] - t["objective"]) / max(abs(t["objective"]), 0.5)
             norm_err = abs(b["grad_norm"] - t["grad_norm"]) / t["grad_norm"]
             assert obj_err <= 1e-6 and norm_err <= 1e-5, (name, b, t)
         ref = reference["qwen3"]["prompt_mean"]
         assert bridge[0]["weight"] == ref["weight"]
-        assert abs(bridge[0]["objective"] - ref["objective"]) <= 2e-6 * max(abs(ref["objective"]), 1e-2)
+        assert abs(bridge[0]["objective"] - ref["objective"]) <= 1e-6 * max(abs(ref["objective"]), 0.5)
         assert abs(bridge[0]["grad_norm"] - ref["grad_norm"]) <= 2e-5 * ref["grad_norm"]
         print(f"Bridge loop {name}: {elapsed:.1f}s; vs trainer objective "
               f"{max(abs(b['objective'] - t['objective']) for b, t in zip(bridge, trainer)):.1e}, grad_norm "
