@@ -310,15 +310,23 @@ REFUSED = {
 def test_bad_folders_and_conflicting_flags_are_refused(models, trainer_runs, tmp_path):
     """Exit 2 naming the file and the tensor (missing and extra weights: Megatron-Bridge alone would
     warn and train a random tensor), the flag and both values (shape conflicts, all at once), or
-    the reason (not a causal LM, no safetensors). The first three ran in the trainer batch (status
-    2 each, checked there); the others stop before Megatron-Bridge is imported."""
+    the reason (not a causal LM, no safetensors, a family whose attention the trainer does not
+    implement). The first three ran in the trainer batch (status
+    2 each, checked there); the others stop before Megatron-Bridge builds a model."""
     log = trainer_runs["refused-missing"]["log"]
     for name, (_, words) in REFUSED.items():
         for word in words:
             assert word in log, (name, word, log[-5000:])
     assert "--num-attention-heads 4 disagrees" not in log
     bad = _bad_folders(models, tmp_path)
+    import transformers
+
+    gemma2 = tmp_path / "gemma2"  # a family Megatron-Bridge maps, with sliding-window attention
+    transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=32)).save_pretrained(gemma2)
     cases = [
+        (["--hf-model", gemma2], ["family 'gemma2' uses sliding-window attention", "THD core attention"]),
         (["--hf-model", bad["not_lm"]], ["not a causal LM", "BertModel"]),
         (["--hf-model", bad["no_weights"]], ["no safetensors weights", "pytorch_model.bin"]),
         (["--save-hf", tmp_path / "x"], ["--save-hf needs --hf-model"]),
