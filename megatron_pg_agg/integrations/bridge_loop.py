@@ -115,9 +115,14 @@ def use_pg_loss(cfg, loss_cfg: PGLossConfig, *, rollouts: Optional[str] = None, 
     if problems:
         raise StartupError(problems)
     DatasetProvider, Callback = bridge_classes()
+    moe = bool(getattr(cfg.model, "num_moe_experts", None))
+    if moe:  # the routers' aux/z losses keep Megatron's strength under every mode (patches/moe_aux_loss.py)
+        from megatron_pg_agg.patches import apply_megatron_patches  # noqa: PLC0415
+
+        apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
     vocab = cfg.model.vocab_size
     steps = load_steps(DataConfig(rollouts=rollouts), loss_cfg, vocab_size=vocab, seed=seed)
-    step = PGForwardStep(loss_cfg, moe=bool(getattr(cfg.model, "num_moe_experts", None)))
+    step = PGForwardStep(loss_cfg, moe=moe)
     # with PP and fixed p2p shapes every microbatch is padded to the recipe's sequence length
     fixed = cfg.model.pipeline_model_parallel_size > 1 and not cfg.model.variable_seq_lengths
     cfg.dataset = _dataset_class(DatasetProvider)(
