@@ -159,11 +159,40 @@ def active_targets(patch: Patch, installed: str) -> tuple[Target, ...]:
     return tuple(t for t in patch.targets if t.applies_to(installed))
 
 
+MISSING_PACKAGE_EXTRAS = {
+    # top-level import name -> (distribution, the extra of megatron_pg_agg that installs it)
+    "openai": ("openai", "megatron-rl"), "wandb": ("wandb", "megatron-rl"), "httpx": ("httpx", "megatron-rl"),
+    "fastapi": ("fastapi", "megatron-rl"), "uvicorn": ("uvicorn", "megatron-rl"), "tqdm": ("tqdm", "megatron-rl"),
+    "six": ("six", "megatron-lm"), "regex": ("regex", "megatron-lm"), "yaml": ("pyyaml", "megatron-lm"),
+    "pydantic": ("pydantic", "megatron-lm"), "psutil": ("psutil", "megatron-lm"),
+    "transformers": ("transformers", "bridge"), "omegaconf": ("omegaconf", "bridge"), "einops": ("einops", "bridge"),
+    "safetensors": ("safetensors", "bridge"), "modelopt": ("nvidia-modelopt", "bridge"),
+    "datasets": ("datasets", "bridge"),
+}
+"""What a patch target's module may import that a plain install lacks, and where it comes from."""
+
+
+def _missing_package(exc: ImportError) -> Optional[str]:
+    """The top-level package a failed import lacks (None: the module itself moved, or another error)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    return exc.name.split(".")[0]
+
+
 def _resolve(target: Target, patch_name: str) -> tuple[Any, str, Any]:
-    """Return ``(owner, leaf attribute name, current value)`` or raise a clear error."""
+    """Return ``(owner, leaf attribute name, current value)`` or raise a clear error: a missing
+    dependency is named as such (with the extra that installs it), a moved module as moved."""
     try:
         owner: Any = importlib.import_module(target.module)
     except ImportError as exc:
+        missing = _missing_package(exc)
+        if missing is not None and missing != "megatron" and not target.module.startswith(exc.name + "."):
+            dist, extra = MISSING_PACKAGE_EXTRAS.get(missing, (missing, None))
+            how = f'pip install -e ".[{extra}]"' if extra else f"pip install {dist}"
+            raise RuntimeError(
+                f"patch {patch_name!r}: module {target.module!r} imports {exc.name!r}, which is not installed: "
+                f"a missing dependency ({dist}; {how}). Nothing was patched."
+            ) from exc
         raise RuntimeError(
             f"patch {patch_name!r}: module {target.module!r} cannot be imported ({exc}); "
             f"megatron-core moved it. Nothing was patched."

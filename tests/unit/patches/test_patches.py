@@ -166,6 +166,28 @@ def test_moved_symbol_raises_clear_error_and_touches_nothing(missing, needle):
     assert not _machinery.is_applied(broken)
 
 
+@pytest.mark.parametrize("missing,words", [
+    ("openai", ["imports 'openai', which is not installed", "a missing dependency", 'pip install -e ".[megatron-rl]"']),
+    ("some_unlisted_package", ["imports 'some_unlisted_package'", "pip install some_unlisted_package"]),
+])
+def test_a_missing_dependency_is_named_as_such_not_as_a_moved_module(tmp_path, monkeypatch, missing, words):
+    """A target module whose own import fails for a package that is not installed (Megatron-LM's
+    megatron.rl imports openai) is reported as a missing dependency with the extra that installs it,
+    never as "megatron-core moved it"."""
+    (tmp_path / "needs_a_package.py").write_text(f"import {missing}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, missing, None)  # importing it raises ModuleNotFoundError here
+    before = _snapshot()
+    broken = Patch(name="cpu_gloo_dependency", supported=cpu_gloo.SUPPORTED, why="test",
+                   targets=PATCH.targets + (Target("needs_a_package", "torch", lambda o: o),))
+    with pytest.raises(RuntimeError) as err:
+        _machinery.apply(broken)
+    for word in (*words, "Nothing was patched"):
+        assert word in str(err.value), (word, str(err.value))
+    assert "moved" not in str(err.value)
+    _assert_untouched(before)
+
+
 def test_refuses_when_cuda_is_available(monkeypatch):
     before = _snapshot()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
