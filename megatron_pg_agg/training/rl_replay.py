@@ -16,8 +16,10 @@ The file is JSON Lines, one rollout per line, in the fields of Megatron-LM's ``T
 * ``trajectory``: prompt and completion token ids (one turn); ``generation_mask``: 1 on the
   generated tokens, which follow the prompt (the first token is not generated); a trajectory
   shorter than ``--seq-length`` ends in the tokenizer's end-of-document token (Megatron-LM checks).
-* ``reward``: a number; ``logprobs`` (optional, all or none of the file): the inference engine's
-  log-prob of each generated token, for ``--rl-inference-logprobs-is-correction``.
+* ``reward``: a number; ``logprobs``: the inference engine's log-prob of each generated token
+  (used by ``--rl-inference-logprobs-is-correction``). Required on every line: Megatron-LM
+  core_v0.19's RL loop reads them for every rollout (``rl_utils``: ``rollout.logprobs[turn_idx]``)
+  and fails on every rank without them, with or without the correction.
 
 Collection ``c`` replays groups ``c*P .. c*P + P - 1`` (``P = --grpo-prompts-per-step``), cycling
 through the file. Every rank reads the same file, so every rank gets the same groups (Megatron-LM
@@ -57,7 +59,6 @@ def load_replay(path: str, *, group_size: int, vocab_size: int, seq_length: int)
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     if not lines:
         raise ReplayError(f"{path}: no rollouts")
-    with_logprobs = None
     for n, line in lines:
         where = f"{path} line {n}"
         try:
@@ -65,10 +66,11 @@ def load_replay(path: str, *, group_size: int, vocab_size: int, seq_length: int)
         except json.JSONDecodeError as err:
             raise ReplayError(f"{where}: not JSON ({err.msg})") from None
         rollout = _rollout(record, where, vocab_size=vocab_size, seq_length=seq_length)
-        has = rollout.logprobs is not None
-        if with_logprobs is not None and has != with_logprobs:
-            raise ReplayError(f"{where}: 'logprobs' given for some rollouts and not others; give all or none")
-        with_logprobs = has
+        if rollout.logprobs is None:
+            raise ReplayError(f"--pg-replay-rollouts {where}: no 'logprobs': Megatron-LM core_v0.19's RL loop reads "
+                              "the inference engine's log-prob of every generated token of every rollout "
+                              "(rl_utils: rollout.logprobs[turn_idx]) and fails without them, with or without "
+                              "--rl-inference-logprobs-is-correction; give one log-prob <= 0 per generated token")
         if groups and groups[-1][0].group == rollout.group and len(groups[-1]) < group_size:
             groups[-1].append(rollout)
             continue

@@ -137,7 +137,8 @@ def _write(path, records):
 
 def _rec(group, n_prompt=2, n_gen=2, **extra):
     return {"group": group, "trajectory": list(range(1, n_prompt + n_gen + 1)),
-            "generation_mask": [0] * n_prompt + [1] * n_gen, "reward": 1.0, **extra}
+            "generation_mask": [0] * n_prompt + [1] * n_gen, "reward": 1.0,
+            **({"logprobs": [-0.5] * n_gen} if "logprobs" not in extra and n_gen else {}), **extra}
 
 
 def test_a_replay_file_gives_its_groups_in_order_and_cycles(tmp_path):
@@ -161,7 +162,8 @@ def test_a_replay_file_gives_its_groups_in_order_and_cycles(tmp_path):
     ([_rec("a", reward=float("nan")), _rec("a")], "finite"),
     ([_rec("a", logprobs=[-1.0]), _rec("a", logprobs=[-1.0, -1.0])],
      "one finite log-prob <= 0 per generated token (2)"),
-    ([_rec("a", logprobs=[-1.0, -1.0]), _rec("a")], "given for some rollouts and not others"),
+    ([_rec("a", logprobs=[-1.0, -1.0]), _rec("a", logprobs=None)],
+     "line 2: no 'logprobs': Megatron-LM core_v0.19's RL loop reads"),
     ([_rec("a", n_prompt=20), _rec("a")], "more than --seq-length 16"),
 ])
 def test_a_bad_replay_file_is_refused_naming_the_line(tmp_path, records, needle):
