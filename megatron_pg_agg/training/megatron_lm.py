@@ -438,6 +438,31 @@ def main(argv: Optional[list] = None) -> int:
     return run_entry(run, argv)
 
 
+def _flag_value(argv: list, flag: str) -> Optional[str]:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) on a raw command line; None if absent."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def argv_problems(argv: list) -> list:
+    """Refusals of the raw command line, before Megatron-LM parses it: combinations its own
+    argument validation asserts on every rank as a traceback instead of a message."""
+    problems = []
+    mtp = _flag_value(argv, "--mtp-num-layers")
+    position = _flag_value(argv, "--position-embedding-type")
+    if mtp is not None and (position or "learned_absolute") not in ("rope", "none"):
+        shown = position or "learned_absolute (Megatron-LM's default)"
+        problems.append(f"--mtp-num-layers {mtp} with --position-embedding-type {shown}: Megatron-LM's multi-token "
+                        "prediction needs rope or none (its argument validation asserts it on every rank); add "
+                        "--position-embedding-type rope")
+    return problems
+
+
 def run_entry(run_argv, argv: Optional[list] = None) -> int:
     """An entry's process frame around ``run_argv(argv) -> status`` (this one and the RL entry):
     the ``[pg]`` log, quiet start-up, workers that die with their launcher, one-process defaults
@@ -448,6 +473,9 @@ def run_entry(run_argv, argv: Optional[list] = None) -> int:
     die_with_launcher()  # a killed torchrun takes its workers with it (they run in own sessions)
     _single_process_defaults()
     try:
+        problems = argv_problems(argv)
+        if problems:
+            raise StartupError(problems)
         return run_argv(argv)
     except StartupError as err:
         logger.error(str(err))

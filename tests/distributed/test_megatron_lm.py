@@ -404,6 +404,7 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
          "argv": [*base, *LOSS, "--pg-rollouts", str(bad_tokens)]},
         {"name": "correction without rollout_logprobs",
          "argv": [*base, *LOSS, "--pg-rollout-correction", "token_truncate"]},
+        {"name": "mtp with learned positions", "argv": [*base, *LOSS, "--mtp-num-layers", "1"]},
         {"name": "ok", "argv": [*base, *LOSS, "--train-iters", "1"]},
         {"name": "gspo", "argv": [*base, *LOSS, "--train-iters", "1", "--pg-policy-loss", "gspo",
                                   "--pg-loss-aggregation", "seq_mean"]},
@@ -420,15 +421,17 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
     parts = split_by_run(out)
     assert status == {"bad mode": 2, "constant without divisor": 2, "dataloader": 2,
                       "token beyond the padded vocabulary": 2, "correction without rollout_logprobs": 2,
-                      "ok": 0, "gspo": 0, "moe": 0}, out[-20000:]
+                      "mtp with learned positions": 2, "ok": 0, "gspo": 0, "moe": 0}, out[-20000:]
     assert "--pg-loss-aggregation" in parts["bad mode"] and "token-median" in parts["bad mode"]
     assert "--pg-loss-aggregation-divisor" in parts["constant without divisor"]
     assert "--dataloader-type single" in parts["dataloader"] and "external" in parts["dataloader"]
     vocab = parts["token beyond the padded vocabulary"]
     assert "rollout step 2" in vocab and "response_ids[1]=130" in vocab and "[0, 128)" in vocab, vocab[-5000:]
     assert "rollout_logprobs is missing" in parts["correction without rollout_logprobs"]
+    mtp = parts["mtp with learned positions"]
+    assert "--position-embedding-type learned_absolute (Megatron-LM's default)" in mtp and "AssertionError" not in mtp
     for name in ("bad mode", "constant without divisor", "dataloader", "token beyond the padded vocabulary",
-                 "correction without rollout_logprobs"):
+                 "correction without rollout_logprobs", "mtp with learned positions"):
         assert "[pg] iteration" not in parts[name] and "iteration        1/" not in parts[name], name
     assert "[pg] iteration 1/1" in parts["ok"]  # the same flags train once the problem is gone
     assert "[pg] iteration 1/1" in parts["gspo"] and "mode=seq_mean" in parts["gspo"]

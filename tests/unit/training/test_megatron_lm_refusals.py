@@ -78,3 +78,16 @@ def test_every_problem_is_listed_at_once():
                          sequence_parallel=True)
     assert len(problems) == 4
     assert "no --bf16/--fp16" in problems[-1] and "no --sequence-parallel" in problems[-1]
+
+
+def test_mtp_with_learned_positions_is_refused_before_megatron_lm_parses():
+    from megatron_pg_agg.training.megatron_lm import argv_problems
+
+    (problem,) = argv_problems(["--num-layers", "2", "--mtp-num-layers", "1"])
+    assert "--mtp-num-layers 1 with --position-embedding-type learned_absolute (Megatron-LM's default)" in problem
+    assert "add --position-embedding-type rope" in problem
+    (given,) = argv_problems(["--mtp-num-layers=2", "--position-embedding-type=learned_absolute"])
+    assert "--position-embedding-type learned_absolute:" in given
+    for ok in (["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+               ["--mtp-num-layers", "1", "--position-embedding-type", "none"], ["--num-layers", "2"]):
+        assert argv_problems(ok) == [], ok

@@ -183,3 +183,4 @@ def test_the_builtin_set_is_ragged_and_avoids_the_special_ids():
             assert r.trajectory[0] == 1 and r.trajectory[-1] == 126 and max(r.trajectory) <= 126
             assert 125 not in r.trajectory and 1 not in r.trajectory[1:] and len(r.trajectory) <= 64
             assert len(r.logprobs) == sum(r.generation_mask)
+
