@@ -9,7 +9,7 @@ import os
 import secrets
 from typing import IO, Callable
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "fsync_directory"]
 
 
 def atomic_write(path, write: Callable[[IO], None], *, text: bool = False) -> None:
@@ -37,7 +37,7 @@ def atomic_write(path, write: Callable[[IO], None], *, text: bool = False) -> No
         except FileNotFoundError:
             pass
         raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def _open_temp_beside(path: str):
@@ -52,7 +52,7 @@ def _open_temp_beside(path: str):
             continue
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Make the rename durable (POSIX); platforms that cannot open a directory skip it."""
     try:
         fd = os.open(directory, os.O_RDONLY)

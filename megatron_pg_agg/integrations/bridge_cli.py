@@ -23,6 +23,9 @@ from megatron_pg_agg.training.logs import ALL_RANKS, setup_logging
 from megatron_pg_agg.training.run_config import StartupError
 from megatron_pg_agg.training.worker_process import quiet_startup_noise, release_process_group
 
+from .bridge_loop import use_pg_loss
+from .hf_folder import HFFolderError
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,8 +53,13 @@ def hf_recipe(args):
     the loss contract, the device's settings), Adam at a constant ``--lr``, no checkpoints, no
     validation."""
     from .bridge_loop import bridge_classes  # noqa: PLC0415
+    from .hf_bridge import check_weight_names, open_hf_model  # noqa: PLC0415
 
-    bridge_classes()  # the CPU patches, before megatron.bridge is imported
+    try:  # the folder, the install, then Bridge (open_hf_model applies the CPU import patch first)
+        hf = open_hf_model(args.hf_model)
+    except HFFolderError as err:
+        raise StartupError(str(err)) from err
+    bridge_classes()  # the loop's CPU patches, before Bridge's training modules are imported
     from megatron.bridge.training.config import (  # noqa: PLC0415
         CheckpointConfig,
         ConfigContainer,
@@ -67,12 +75,6 @@ def hf_recipe(args):
 
     from megatron_pg_agg.megatron.model import default_ddp_config, hf_contract_settings  # noqa: PLC0415
 
-    from .hf_bridge import HFFolderError, check_weight_names, open_hf_model  # noqa: PLC0415
-
-    try:
-        hf = open_hf_model(args.hf_model)
-    except HFFolderError as err:
-        raise StartupError(str(err)) from err
     provider = hf.bridge.to_megatron_provider(load_weights=True)
     pp = args.pipeline_model_parallel_size
     for name, value in {**hf_contract_settings(), "tensor_model_parallel_size": args.tensor_model_parallel_size,
@@ -107,21 +109,6 @@ def main(argv=None) -> int:
     quiet_startup_noise()
     args = build_parser().parse_args(argv)
     try:
-        from megatron_pg_agg.integrations.hf_folder import (  # noqa: PLC0415
-            HFFolderError,
-            bridge_install_problem,
-            open_hf_folder,
-        )
-
-        try:
-            open_hf_folder(args.hf_model)
-        except HFFolderError as err:
-            raise StartupError(str(err)) from err
-        problem = bridge_install_problem()
-        if problem is not None:
-            raise StartupError(problem)
-        from .bridge_loop import use_pg_loss  # noqa: PLC0415
-
         cfg = hf_recipe(args)
         forward_step, callbacks = use_pg_loss(cfg, config_from_args(args), rollouts=args.rollouts, seed=args.seed,
                                               metrics_file=args.metrics_file)

@@ -41,6 +41,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_pg_agg.data.atomic_files import fsync_directory
+
 from .hf_folder import HFFolder, HFFolderError, bridge_install_problem, open_hf_folder
 
 logger = logging.getLogger(__name__)
@@ -105,8 +107,9 @@ class HFModel:
         fields set on the provider before it builds (the parallel sizes, the loss contract, the
         device's settings, the MoE runtime fields); the shape fields are the HF config's and may
         not be given. Not wrapped in DDP (the caller does, as for every model of the project)."""
-        from megatron.core import parallel_state  # noqa: PLC0415  (megatron-core imports after the patches)
-        from megatron.core.transformer.enums import AttnBackend  # noqa: PLC0415
+        from megatron.core.transformer.enums import AttnBackend  # noqa: PLC0415  (megatron-core after the patches)
+
+        from megatron_pg_agg.megatron.model import build_stage_chunks  # noqa: PLC0415
 
         shape_fields = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                         "vocab_size", "seq_length", "share_embeddings_and_output_weights", "num_moe_experts"}
@@ -122,12 +125,7 @@ class HFModel:
         provider.attention_backend = AttnBackend.auto
         provider.transformer_layer_spec = _layer_spec
         provider.finalize()
-        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        stages = [None] if vpp is None else list(range(vpp))
-        chunks = [provider.provide(
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
-            vp_stage=s) for s in stages]
+        chunks = build_stage_chunks(provider.provide)
         check_weight_names(self, chunks)
         self.bridge.load_hf_weights(chunks)
         return chunks
@@ -210,10 +208,10 @@ def open_hf_model(path: str) -> HFModel:
     """Open a local HF causal-LM folder through Megatron-Bridge (cached per path: the trainer reads
     the shape at start-up and builds later). Raises :class:`HFFolderError` for a folder that is not
     a causal LM, a missing install, or a family Megatron-Bridge does not map onto a GPT model."""
-    folder = open_hf_folder(path)
+    folder = open_hf_folder(path)  # the folder first: its problems need no install to be named
     problem = bridge_install_problem()
     if problem is not None:
-        raise HFFolderError(problem)
+        raise HFFolderError(f"--hf-model: {problem}")
     if not torch.cuda.is_available():
         from megatron_pg_agg.patches import apply_megatron_patches  # noqa: PLC0415
 
@@ -241,23 +239,15 @@ def open_hf_model(path: str) -> HFModel:
     return HFModel(folder, bridge, provider)
 
 
-def _unwrapped(model: list) -> list:
-    chunks = []
-    for chunk in model:
-        while hasattr(chunk, "module"):  # megatron-core DDP / Float16Module
-            chunk = chunk.module
-        chunks.append(chunk)
-    return chunks
-
-
 def iter_hf_weights(hf: HFModel, model: list, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The live model's weights in Hugging Face names and layouts, as ``(name, tensor)`` pairs,
     without writing files: the weight sync to an inference engine (vLLM's ``load_weights``,
     SGLang's ``update_weights_from_tensor``). Every rank of the model must iterate it together
     (the tensors are gathered over TP, PP and EP); every rank gets every full tensor. ``model``:
     this rank's chunks, DDP-wrapped or not. ``cpu``: tensors moved to host memory."""
-    for name, tensor in hf.bridge.export_hf_weights(_unwrapped(model), cpu=cpu, show_progress=False):
-        yield name, tensor
+    from megatron.core.utils import unwrap_model  # noqa: PLC0415
+
+    yield from hf.bridge.export_hf_weights(unwrap_model(list(model)), cpu=cpu, show_progress=False)
 
 
 def save_hf_folder(hf: HFModel, model: list, out_dir: str, *, rank: int,
@@ -346,8 +336,4 @@ def _replace_folder(temp: str, out_dir: str) -> None:
     os.rename(temp, out_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(os.path.dirname(out_dir), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(os.path.dirname(out_dir))

@@ -35,6 +35,7 @@ from .thd_attention import ThdDotProductAttention
 __all__ = [
     "build_model_chunks",
     "build_gpt",
+    "build_stage_chunks",
     "default_ddp_config",
     "gpt_layer_spec",
     "device_settings",
@@ -197,19 +198,19 @@ def build_model_chunks(
             f"config.virtual_pipeline_model_parallel_size="
             f"{config.virtual_pipeline_model_parallel_size} but parallel_state has {vpp}"
         )
+    return build_stage_chunks(lambda **stage: build_gpt(config, vocab_size, max_seq_len, **stage, **kwargs))
+
+
+def build_stage_chunks(build) -> list:
+    """``[build(pre_process=..., post_process=..., vp_stage=...)]`` for each of this rank's
+    (virtual) pipeline stages in the current ``parallel_state``: one per virtual stage, or one
+    (``vp_stage=None``) without interleaving. Models built from flags and from an HF config
+    (a Megatron-Bridge provider's ``provide``) are cut the same way."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     stages = [None] if vpp is None else list(range(vpp))
-    return [
-        build_gpt(
-            config,
-            vocab_size,
-            max_seq_len,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
-            vp_stage=s,
-            **kwargs,
-        )
-        for s in stages
-    ]
+    return [build(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
+                  post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
+                  vp_stage=s) for s in stages]
 
 
 def default_ddp_config(**overrides) -> DistributedDataParallelConfig:

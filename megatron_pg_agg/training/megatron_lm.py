@@ -64,16 +64,22 @@ PG_PREFIX = "[pg]"
 # ----------------------------------------------------------------------------- the checkout
 
 
+def _flag_value(argv: list, flag: str) -> Optional[str]:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) on a raw command line; None if absent."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def find_checkout(argv: list) -> str:
     """The Megatron-LM root from ``--megatron-lm PATH`` (or ``=PATH``), else ``$MEGATRON_LM_PATH``.
 
     Raises StartupError when neither names a directory holding ``megatron/training``."""
-    path = None
-    for i, arg in enumerate(argv):
-        if arg == "--megatron-lm" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif arg.startswith("--megatron-lm="):
-            path = arg.split("=", 1)[1]
+    path = _flag_value(argv, "--megatron-lm")
     source = "--megatron-lm"
     if path is None:
         path, source = os.environ.get(ENV_CHECKOUT), ENV_CHECKOUT
@@ -436,17 +442,6 @@ def _pretrain(release, args, actor) -> None:
 
 def main(argv: Optional[list] = None) -> int:
     return run_entry(run, argv)
-
-
-def _flag_value(argv: list, flag: str) -> Optional[str]:
-    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) on a raw command line; None if absent."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def argv_problems(argv: list) -> list:

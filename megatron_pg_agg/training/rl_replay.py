@@ -48,7 +48,8 @@ class RecordedRollout:
     trajectory: tuple
     generation_mask: tuple
     reward: float
-    logprobs: Optional[tuple]
+    logprobs: tuple
+    """The inference engine's log-prob of each generated token (Megatron-LM reads them for every rollout)."""
 
 
 def load_replay(path: str, *, group_size: int, vocab_size: int, seq_length: int) -> list:
@@ -66,11 +67,6 @@ def load_replay(path: str, *, group_size: int, vocab_size: int, seq_length: int)
         except json.JSONDecodeError as err:
             raise ReplayError(f"{where}: not JSON ({err.msg})") from None
         rollout = _rollout(record, where, vocab_size=vocab_size, seq_length=seq_length)
-        if rollout.logprobs is None:
-            raise ReplayError(f"--pg-replay-rollouts {where}: no 'logprobs': Megatron-LM core_v0.19's RL loop reads "
-                              "the inference engine's log-prob of every generated token of every rollout "
-                              "(rl_utils: rollout.logprobs[turn_idx]) and fails without them, with or without "
-                              "--rl-inference-logprobs-is-correction; give one log-prob <= 0 per generated token")
         if groups and groups[-1][0].group == rollout.group and len(groups[-1]) < group_size:
             groups[-1].append(rollout)
             continue
@@ -114,13 +110,17 @@ def _rollout(record, where: str, *, vocab_size: int, seq_length: int) -> Recorde
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ReplayError(f"{where}: reward must be a finite number")
     logprobs = record.get("logprobs")
-    if logprobs is not None:
-        if (not isinstance(logprobs, list) or len(logprobs) != len(generated)
-                or not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 0 for v in logprobs)):
-            raise ReplayError(f"{where}: logprobs must be one finite log-prob <= 0 per generated token "
-                              f"({len(generated)})")
-        logprobs = tuple(float(v) for v in logprobs)
-    return RecordedRollout(str(record["group"]), tuple(tokens), tuple(bool(m) for m in mask), float(reward), logprobs)
+    if logprobs is None:
+        raise ReplayError(f"--pg-replay-rollouts {where}: no 'logprobs': Megatron-LM core_v0.19's RL loop reads "
+                          "the inference engine's log-prob of every generated token of every rollout "
+                          "(rl_utils: rollout.logprobs[turn_idx]) and fails without them, with or without "
+                          "--rl-inference-logprobs-is-correction; give one log-prob <= 0 per generated token")
+    if (not isinstance(logprobs, list) or len(logprobs) != len(generated)
+            or not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 0 for v in logprobs)):
+        raise ReplayError(f"{where}: logprobs must be one finite log-prob <= 0 per generated token "
+                          f"({len(generated)})")
+    return RecordedRollout(str(record["group"]), tuple(tokens), tuple(bool(m) for m in mask), float(reward),
+                           tuple(float(v) for v in logprobs))
 
 
 def builtin_replay(*, num_groups: int, group_size: int, seq_length: int, eod: int, pad: Optional[int] = None,
@@ -153,7 +153,7 @@ def token_rollout(recorded: RecordedRollout):
 
     fields = dict(trajectory=[list(recorded.trajectory)], reward=recorded.reward,
                   generation_mask=[list(recorded.generation_mask)],
-                  logprobs=[list(recorded.logprobs)] if recorded.logprobs is not None else None,
+                  logprobs=[list(recorded.logprobs)],
                   env_id="replay", problem_id=recorded.group,
                   policy_epoch=[[(0, 0)]], kv_cache_epoch=[[(0, 0)]], num_evictions=[0])
     return TokenRollout(**{k: v for k, v in fields.items() if k in TokenRollout.model_fields})

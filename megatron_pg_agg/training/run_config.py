@@ -170,34 +170,26 @@ HF_SHAPE_FLAGS = (
 def _hf_model_config(ns: argparse.Namespace) -> "ModelConfig":
     """The model of ``--hf-model``: its shape from the HF config (through Megatron-Bridge's
     provider); a shape flag given on the command line that disagrees is refused, naming both."""
-    # the integration is imported only for an --hf-model run: Megatron-Bridge is an optional extra
-    from megatron_pg_agg.integrations.hf_folder import (  # noqa: PLC0415
-        HFFolderError,
-        bridge_install_problem,
-        open_hf_folder,
-    )
+    # imported only for an --hf-model run (Megatron-Bridge is an optional extra); open_hf_model checks
+    # the folder, then the install, then opens it through Bridge
+    from megatron_pg_agg.integrations.hf_bridge import HFFolderError, open_hf_model  # noqa: PLC0415
 
     try:
-        open_hf_folder(ns.hf_model)  # the folder first: its problems need no install to be named
-        problem = bridge_install_problem()
-        if problem is not None:
-            raise HFFolderError(f"--hf-model: {problem}")
-        from megatron_pg_agg.integrations.hf_bridge import open_hf_model  # noqa: PLC0415  (Megatron-Bridge)
-
         shape = open_hf_model(ns.hf_model).shape
     except HFFolderError as err:
         raise StartupError(str(err)) from err
     explicit = getattr(ns, "explicit", frozenset())
     conflicts = []
     for dest, flag, field, as_field in HF_SHAPE_FLAGS:
-        if dest in explicit:
-            given = getattr(ns, dest)
-            wanted = getattr(shape, field)
-            if (as_field(given) if as_field else given) != wanted:
-                shown = f"tie_word_embeddings={str(wanted).lower()}" if field == "tie_embeddings" else wanted
-                conflicts.append(f"{flag}{'' if as_field else f' {given}'} disagrees with --hf-model {ns.hf_model}, "
-                                 f"whose config gives {field} = {shown}" if field != "tie_embeddings" else
-                                 f"{flag} disagrees with --hf-model {ns.hf_model}, whose config has {shown}")
+        given, wanted = getattr(ns, dest), getattr(shape, field)
+        if dest not in explicit or (as_field(given) if as_field else given) == wanted:
+            continue
+        if field == "tie_embeddings":  # a switch: no value to show, the config's tying instead
+            conflicts.append(f"{flag} disagrees with --hf-model {ns.hf_model}, whose config has "
+                             f"tie_word_embeddings={str(wanted).lower()}")
+        else:
+            conflicts.append(f"{flag} {given} disagrees with --hf-model {ns.hf_model}, whose config gives "
+                             f"{field} = {wanted}")
     if conflicts:
         raise StartupError(conflicts)
     return ModelConfig(
@@ -393,12 +385,16 @@ class CheckpointConfig:
     def interval_save_hf_due(self, iteration: int) -> bool:
         """Whether the HF folder is written after ``iteration`` (the final one is skipped when this
         already wrote it)."""
-        return bool(self.save_hf and self.save_hf_interval and iteration % self.save_hf_interval == 0)
+        return _interval_due(self.save_hf, self.save_hf_interval, iteration)
 
     def interval_save_due(self, iteration: int) -> bool:
         """Whether an interval checkpoint is written after ``iteration`` (the final checkpoint is
         skipped when this already wrote one)."""
-        return bool(self.save and self.save_interval and iteration % self.save_interval == 0)
+        return _interval_due(self.save, self.save_interval, iteration)
+
+
+def _interval_due(directory: Optional[str], interval: Optional[int], iteration: int) -> bool:
+    return bool(directory and interval and iteration % interval == 0)
 
 
 @dataclass(frozen=True)
