@@ -33,6 +33,13 @@ BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "n
           # Megatron-Bridge's own training loop (launch/train_bridge_actor.py, integrations.bridge_loop)
           "datasets>=2.20", "megatron-energon~=7.0", "tensorboard>=2.19"]
 
+# the verl plug-in (megatron_pg_agg.integrations.verl_plugin): what verl 0.9.1's Megatron engine imports,
+# installed after `pip install --no-deps verl==0.9.1` (its full set pulls vllm/sglang/flash-attn builds:
+# docs/verl.md), on top of the bridge extra (verl builds its model through Megatron-Bridge).
+# transformers: verl 0.9.1 asks for <5.11, Megatron-Bridge 0.6.2 for >=5.8.
+VERL = ["transformers>=5.8,<5.11", "tensordict==0.10.0", "hydra-core>=1.3.4,<1.4", "codetiming", "ray>=2.41",
+        "peft>=0.18.1", "accelerate", "psutil", "pillow"]
+
 setup(
     name="megatron_pg_agg",
     version="0.1.0",
@@ -55,6 +62,8 @@ setup(
         "megatron-lm": MEGATRON_LM,
         "megatron-rl": MEGATRON_LM + MEGATRON_RL,
         "bridge": [f"{p}; python_version >= '3.12'" for p in BRIDGE],
+        "verl": [f"{p}; python_version >= '3.12'" for p in (*BRIDGE, *VERL)
+                 if not p.startswith("transformers>=5.8,<=")],  # VERL's narrower transformers range
         # the parity command's --plot
         "plot": ["matplotlib"],
         # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package
@@ -63,5 +72,8 @@ setup(
     },
     entry_points={
         "console_scripts": ["megatron-pg-agg-parity=megatron_pg_agg.parity:main"],
+        # verl loads every plug-in of this group on import (VERL_USE_EXTERNAL_PLUGINS=auto, its default):
+        # the plug-in registers loss_mode "pg_agg" and patches verl's Megatron engine, inert until used
+        "verl.plugins": ["megatron_pg_agg = megatron_pg_agg.integrations.verl_plugin"],
     },
 )

@@ -61,13 +61,16 @@ class TestedRelease:
     megatron_bridge: str | None = None
     """The megatron-bridge release the leg also installs (``--no-deps``, then the ``bridge``
     extra) and whose tests must run there (--hf-model, --save-hf); None: not installed."""
+    verl: str | None = None
+    """The verl release the leg also installs (``--no-deps``, then the ``verl`` extra) and whose
+    plug-in tests must run there (tests/distributed/test_verl.py); None: not installed."""
 
 
 TESTED: tuple[TestedRelease, ...] = (
     TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full"),
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
     TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full",
-                  megatron_bridge="0.6.2"),
+                  megatron_bridge="0.6.2", verl="0.9.1"),
     TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm"),
     TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
 )
@@ -76,12 +79,12 @@ TESTED: tuple[TestedRelease, ...] = (
 
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
-    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | CI runs |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | CI runs |",
+            "|---|---|---|---|---|---|---|"]
     for leg in TESTED:
         suite = "the whole suite" if leg.suite == "full" else "unit suite + Megatron-LM layout tests"
         rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
-                    f"{leg.megatron_bridge or '-'} | {suite} |")
+                    f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {suite} |")
     return "\n".join(rows)
 
 
@@ -169,10 +172,10 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
 
 
 def _ci_legs() -> str:
-    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge`` (bridge: ``-``
+    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl`` (``-``
     for none)."""
     return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
-                               leg.suite, leg.megatron_bridge or "-")) for leg in TESTED)
+                               leg.suite, leg.megatron_bridge or "-", leg.verl or "-")) for leg in TESTED)
 
 
 if __name__ == "__main__":

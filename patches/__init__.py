@@ -36,6 +36,9 @@ Patches
     stand-in for its LoRA layers module). megatron-core 0.19, megatron-bridge 0.6. CPU-only.
     ``bridge_loop_cpu`` (:mod:`.bridge_loop_cpu`): Megatron-Bridge's own training loop on CPU
     (``allow_no_cuda``, the CUDA spots of its set-up, loop and loaders). CPU-only.
+    ``verl_engine`` (:mod:`.verl_engine`), verl 0.9: the step weights on verl's mini-batch before its
+    micro-batch split, and the actor worker's loss set when ``loss_mode`` is ``pg_agg``
+    (``megatron_pg_agg.integrations.verl_plugin``). Any device.
 
 Usage::
 
@@ -57,6 +60,7 @@ from . import (
     megatron_rl_cpu,
     moe_aux_loss,
     mtp_loss,
+    verl_engine,
 )
 from ._machinery import Patch, Target, is_applied
 
@@ -80,6 +84,7 @@ PATCHES: dict[str, Patch] = {
     megatron_rl_cpu.NAME: megatron_rl_cpu.PATCH,
     bridge_cpu.NAME: bridge_cpu.PATCH,
     bridge_loop_cpu.NAME: bridge_loop_cpu.PATCH,
+    verl_engine.NAME: verl_engine.PATCH,
 }
 """Every known patch, by name, in application order."""
 
@@ -88,7 +93,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
                            mtp_loss: bool = False, megatron_rl: bool = False,
                            megatron_rl_cpu: bool = False, bridge_cpu: bool = False,
-                           bridge_loop_cpu: bool = False) -> list[str]:
+                           bridge_loop_cpu: bool = False, verl_engine: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -98,7 +103,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
     wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
               "megatron_rl_cpu": megatron_rl_cpu, "bridge_cpu": bridge_cpu,
-              "bridge_loop_cpu": bridge_loop_cpu}
+              "bridge_loop_cpu": bridge_loop_cpu, "verl_engine": verl_engine}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

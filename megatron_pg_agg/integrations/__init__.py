@@ -10,4 +10,8 @@ itself, so ``import megatron_pg_agg`` works without the framework installed.
     Hugging Face checkpoints in and out through Megatron-Bridge: the model shape of a folder, its
     megatron-core model chunks with the weights loaded, the live model's HF weights as
     ``(name, tensor)`` pairs, and an atomically written HF folder.
+``verl_config``, ``verl_loss``, ``verl_plugin`` (:mod:`.verl_plugin`)
+    The verl plug-in (docs/verl.md): verl's actor keys and the ``pg_agg`` block to a
+    :class:`~megatron_pg_agg.core.losses.PGLossConfig` (no verl import); the step weights of a
+    verl mini-batch and the per-micro-batch loss in verl's engine; the entry point verl loads.
 """

@@ -78,7 +78,9 @@ def step_objective(forward_logits, rollouts, cfg) -> tuple:
     mean over active sequences of N_s / D_s; prompt_mean: mean over active groups of N_g / D_g;
     constant: sum N / (active sequences * L). Plus ``kl_coef`` x the mean KL (k1/k2/k3) and minus
     ``entropy_coef`` x the mean entropy over the ``d`` tokens of the step; J = 0 when no unit is
-    active. Returns ``(J, W)``: a float64 0-d tensor (differentiable) and the integer weight."""
+    active. A rollout's optional ``pg_weights`` (a rollout correction's per-token weights, computed
+    by the caller) multiply its ``l_j``. Returns ``(J, W)``: a float64 0-d tensor (differentiable)
+    and the integer weight."""
     if getattr(cfg, "rollout_correction", None) is not None:
         raise NotImplementedError("the independent reference covers the policy losses without a rollout correction")
     mode = cfg.mode
@@ -104,6 +106,9 @@ def step_objective(forward_logits, rollouts, cfg) -> tuple:
                 ent_sum = ent_sum - (row.exp() * row).sum()
         numerator = [j for j in valid if r.numerator_mask is None or r.numerator_mask[j]]
         losses = _sequence_token_losses(cfg.policy_loss, logp, r, cfg, numerator) if numerator else {}
+        pg_weights = getattr(r, "pg_weights", None)
+        if pg_weights is not None:
+            losses = {j: loss * float(pg_weights[j]) for j, loss in losses.items()}
         tokens_d += len(valid)
         units.append((r.group_id, sum(losses.values(), zero), len(valid)))
     active = [(n, d) for _, n, d in units if d > 0]

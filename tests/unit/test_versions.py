@@ -35,7 +35,7 @@ def test_the_readme_table_is_the_tested_legs():
     assert block and block.group(1).strip() == versions.tested_table()
     for leg in versions.TESTED:  # every row is a leg, in the order .ci/run runs them
         assert (f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
-                f"{leg.megatron_bridge or '-'} |") in block.group(1)
+                f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} |") in block.group(1)
 
 
 def test_ci_runs_the_legs_of_versions_py():
@@ -46,8 +46,8 @@ def test_ci_runs_the_legs_of_versions_py():
     lines = versions._ci_legs().splitlines()
     assert len(lines) == len(versions.TESTED) >= 5
     for line, leg in zip(lines, versions.TESTED):
-        core, tag, checkout, python, torch, suite, bridge = line.split()
-        assert bridge == (leg.megatron_bridge or "-")
+        core, tag, checkout, python, torch, suite, bridge, verl = line.split()
+        assert bridge == (leg.megatron_bridge or "-") and verl == (leg.verl or "-")
         assert versions.in_range(core) and suite in ("full", "unit+megatron-lm")
         assert tag.startswith("core_v" + ".".join(core.split(".")[:2]))
         assert checkout == leg.checkout
@@ -56,6 +56,8 @@ def test_ci_runs_the_legs_of_versions_py():
     # the Bridge tests run on a full leg of megatron-core 0.19 (megatron-bridge 0.6's release)
     bridged = [leg for leg in versions.TESTED if leg.megatron_bridge]
     assert [(leg.megatron_core[:5], leg.python, leg.suite) for leg in bridged] == [("0.19.", "3.12", "full")]
+    # verl builds through Megatron-Bridge: its plug-in tests run on that same leg
+    assert [leg for leg in versions.TESTED if leg.verl] == bridged
 
 
 def test_releases_outside_the_range_are_refused_with_reasons(monkeypatch):

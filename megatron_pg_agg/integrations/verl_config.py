@@ -1,0 +1,166 @@
+"""verl's actor keys and the plug-in's ``pg_agg`` block -> one :class:`PGLossConfig` (host only).
+
+Imports nothing of verl: the keys are read from the mapping verl gives (an OmegaConf node or verl's
+``ActorConfig`` dataclass, both readable as mappings), so the rules are testable without verl.
+
+Turned on by ``actor_rollout_ref.actor.policy_loss.loss_mode=pg_agg``. The aggregation comes from
+``actor_rollout_ref.pg_agg.mode`` (one of ours or a verl ``loss_agg_mode`` name) or, without it,
+from ``actor.loss_agg_mode`` through the alias table (:data:`megatron_pg_agg.core.modes.ALIASES`).
+verl's own keys keep their meaning where ours is the same quantity (docs/verl.md has the table):
+
+==========================================  =======================================================
+verl key (``actor_rollout_ref.actor.``)     ours
+==========================================  =======================================================
+``clip_ratio_low`` / ``clip_ratio_high``    ``clip_eps_low`` / ``clip_eps_high``
+``clip_ratio_c``                            ``dual_clip`` (ppo only, as verl's vanilla loss)
+``entropy_coeff``                           ``entropy_coef`` (a token mean, whatever the mode)
+``use_kl_loss`` / ``kl_loss_coef``          ``kl_coef`` (0 unless use_kl_loss; a token mean)
+``kl_loss_type``                            ``kl_estimator``: kl/k1, mse/k2, low_var_kl/k3
+``loss_scale_factor``                       ``divisor`` of ``constant`` (when the block has none)
+==========================================  =======================================================
+
+Every problem is found at start-up and reported at once, each naming its verl key.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from typing import Any, Mapping, Optional
+
+from megatron_pg_agg.core.losses import POLICY_LOSSES, ROLLOUT_CORRECTIONS, PGLossConfig
+from megatron_pg_agg.core.modes import ALIASES, CONSTANT, MODES, REFUSED_ALIASES
+
+LOSS_MODE = "pg_agg"
+"""The value of ``actor.policy_loss.loss_mode`` that turns the plug-in on."""
+ACTOR = "actor_rollout_ref.actor"
+BLOCK = "actor_rollout_ref.pg_agg"
+"""Where the plug-in's own keys live: a sibling of verl's ``actor`` (verl's ActorConfig dataclass
+refuses unknown keys, the ``actor_rollout_ref`` node does not)."""
+BLOCK_KEYS = {
+    "mode": "token_mean, seq_mean, prompt_mean (groups = verl's uid) or constant; default: actor.loss_agg_mode",
+    "divisor": "L of constant (default: actor.loss_scale_factor)",
+    "policy_loss": f"one of {POLICY_LOSSES} (default ppo)",
+    "rollout_correction": f"one of {ROLLOUT_CORRECTIONS} from the batch's rollout_log_probs (default off)",
+    "rollout_correction_max": "C of the rollout correction (default 2.0)",
+    "rollout_correction_min": "c of the rollout correction (default 0.0)",
+}
+KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+"""verl's ``kl_loss_type`` values with the same estimator here (verl clamps low_var_kl to [-10, 10];
+ours does not: docs/verl.md)."""
+VERL_DEFAULT_AGG = "token-mean"
+VERL_VERSION = "0.9.1"
+"""The verl release the plug-in is tested with (verl's engine code is read by version: 0.9.x)."""
+VERL_INSTALL = ('pip install torch==2.14.1 && pip install --no-deps megatron-bridge==0.6.2 verl==0.9.1 && '
+                'pip install -e ".[verl]"')
+"""The install line of the verl plug-in (Python 3.12; docs/verl.md says why ``--no-deps``)."""
+
+
+def verl_install_problem() -> Optional[str]:
+    """Why the verl plug-in cannot run in this interpreter, or None."""
+    if (sys.version_info.major, sys.version_info.minor) != (3, 12):
+        return (f"the verl plug-in runs verl {VERL_VERSION}'s Megatron engine, which builds through Megatron-Bridge "
+                f"and needs Python 3.12 (this is {sys.version_info.major}.{sys.version_info.minor}); in a Python 3.12 "
+                f"venv: {VERL_INSTALL}")
+    for package in ("verl", "megatron-bridge", "tensordict"):
+        try:
+            importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{package} is not installed (the verl plug-in needs it); install: {VERL_INSTALL}"
+    version = importlib.metadata.version("verl")
+    if not version.startswith("0.9."):
+        return (f"verl {version} is installed; the plug-in is written for verl 0.9.x ({VERL_VERSION} tested): "
+                f"{VERL_INSTALL}")
+    return None
+
+
+class VerlConfigError(ValueError):
+    """A verl run configured for the plug-in in a way it cannot honour exactly (names the keys)."""
+
+
+def _get(node: Any, key: str, default=None):
+    if node is None:
+        return default
+    if isinstance(node, Mapping):
+        return node.get(key, default)
+    return getattr(node, key, default)
+
+
+def _canonical(name: str) -> Optional[str]:
+    return name if name in MODES else (ALIASES[name].mode if name in ALIASES else None)
+
+
+def _mode(actor, block, problems: list) -> tuple[Optional[str], Optional[float]]:
+    """``(mode as given, divisor)``: the block's mode, else verl's loss_agg_mode by alias."""
+    agg = _get(actor, "loss_agg_mode", VERL_DEFAULT_AGG)
+    mode = _get(block, "mode")
+    if agg in REFUSED_ALIASES:
+        problems.append(f"{ACTOR}.loss_agg_mode={agg!r}: {REFUSED_ALIASES[agg].note}")
+        return None, None
+    if mode is None:
+        mode = agg
+    if _canonical(mode) is None:
+        problems.append(f"{BLOCK}.mode={mode!r} is not a mode: use one of {list(MODES)} or a verl "
+                        f"loss_agg_mode ({[k for k, a in ALIASES.items() if a.source == 'verl']})")
+        return None, None
+    if agg != VERL_DEFAULT_AGG and _canonical(agg) != _canonical(mode):
+        # verl's default says nothing; any other value the user set must agree with the block
+        problems.append(f"{BLOCK}.mode={mode!r} and {ACTOR}.loss_agg_mode={agg!r} ask for different "
+                        f"aggregations ({_canonical(mode)} against {_canonical(agg)}); set only one of them")
+        return None, None
+    divisor = _get(block, "divisor")
+    implied = ALIASES[mode].divisor if mode in ALIASES else None
+    if _canonical(mode) == CONSTANT and divisor is None and implied is None:
+        divisor = _get(actor, "loss_scale_factor")
+        if divisor is None:
+            problems.append(f"{BLOCK}.mode={mode!r} needs L: set {BLOCK}.divisor or {ACTOR}.loss_scale_factor "
+                            "(for example the maximum response length); verl's fallback, the padded width of "
+                            "each micro-batch, changes with the micro-batch split and is not used")
+    return mode, divisor
+
+
+def loss_config_from_verl(actor: Mapping, block: Optional[Mapping]) -> PGLossConfig:
+    """The :class:`PGLossConfig` a verl actor config plus the ``pg_agg`` block ask for.
+
+    ``actor``: verl's ``actor_rollout_ref.actor`` (node or ActorConfig); ``block``:
+    ``actor_rollout_ref.pg_agg`` or None. Raises :class:`VerlConfigError` listing every problem.
+    """
+    problems = []
+    loss_mode = _get(_get(actor, "policy_loss"), "loss_mode")
+    if loss_mode != LOSS_MODE:
+        problems.append(f"{ACTOR}.policy_loss.loss_mode is {loss_mode!r}: the plug-in runs with {LOSS_MODE!r}")
+    block = {} if block is None else dict(block)
+    unknown = sorted(set(block) - set(BLOCK_KEYS))
+    if unknown:
+        problems.append(f"unknown keys {[f'{BLOCK}.{k}' for k in unknown]}; the block takes: "
+                        + "; ".join(f"{k}: {v}" for k, v in BLOCK_KEYS.items()))
+    mode, divisor = _mode(actor, block, problems)
+    policy_loss = block.get("policy_loss", "ppo")
+    if policy_loss not in POLICY_LOSSES:
+        problems.append(f"{BLOCK}.policy_loss={policy_loss!r}: use one of {POLICY_LOSSES}")
+    kl_coef = 0.0
+    kl_estimator = "k3"
+    if _get(actor, "use_kl_loss", False):
+        kl_coef = float(_get(actor, "kl_loss_coef", 0.001))
+        kl_type = _get(actor, "kl_loss_type", "low_var_kl")
+        if kl_type not in KL_TYPES:
+            problems.append(f"{ACTOR}.kl_loss_type={kl_type!r} has no estimator here: use one of {sorted(KL_TYPES)}")
+        kl_estimator = KL_TYPES.get(kl_type, "k3")
+    if problems:
+        raise VerlConfigError("megatron_pg_agg's verl plug-in cannot run this configuration:\n  - "
+                              + "\n  - ".join(problems))
+    clip_c = _get(actor, "clip_ratio_c")
+    try:
+        return PGLossConfig(
+            mode=mode, divisor=divisor, policy_loss=policy_loss,
+            clip_eps_low=float(_get(actor, "clip_ratio_low", 0.2)),
+            clip_eps_high=float(_get(actor, "clip_ratio_high", 0.2)),
+            dual_clip=float(clip_c) if policy_loss == "ppo" and clip_c is not None else None,
+            kl_coef=kl_coef, kl_estimator=kl_estimator,
+            entropy_coef=float(_get(actor, "entropy_coeff", 0.0)), report_entropy=False,
+            rollout_correction=block.get("rollout_correction"),
+            rollout_correction_max=float(block.get("rollout_correction_max", 2.0)),
+            rollout_correction_min=float(block.get("rollout_correction_min", 0.0)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise VerlConfigError(f"megatron_pg_agg's verl plug-in: {exc} (keys: {BLOCK}.*, "
+                              f"{ACTOR}.clip_ratio_low/high/c, entropy_coeff, kl_loss_coef)") from exc
