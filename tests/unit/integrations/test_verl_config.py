@@ -143,3 +143,26 @@ assert worker_loss(cfg.actor_rollout_ref, "ref") is None
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "CFG prompt_mean ppo 3.0 0.28" in proc.stdout, proc.stdout
+
+
+def test_mini_batch_problems_name_the_field():
+    """prepare_step on a verl mini-batch: prompt_mean without verl's uid, two corrections at once, a
+    correction without the rollout engine's log-probs; each refused naming the field or key."""
+    _verl()
+    import torch
+    from tensordict import TensorDict
+
+    from megatron_pg_agg.core.losses import PGLossConfig
+    from megatron_pg_agg.integrations.verl_loss import VerlBatchError, VerlPGLoss
+
+    def mini_batch(**extra):
+        return TensorDict({"response_mask": torch.ones(2, 3), "old_log_probs": torch.zeros(2, 3), **extra},
+                          batch_size=[2])
+
+    with pytest.raises(VerlBatchError, match="'uid'"):
+        VerlPGLoss(PGLossConfig(mode="prompt_mean")).prepare_step(mini_batch())
+    corrected = VerlPGLoss(PGLossConfig(mode="seq_mean", rollout_correction="token_mask"))
+    with pytest.raises(VerlBatchError, match="rollout_is_weights.*actor_rollout_ref.pg_agg.rollout_correction"):
+        corrected.prepare_step(mini_batch(rollout_is_weights=torch.ones(2, 3)))
+    with pytest.raises(VerlBatchError, match="'rollout_log_probs'.*calculate_log_probs"):
+        corrected.prepare_step(mini_batch())
