@@ -89,7 +89,19 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="write a PNG of the gradient errors per layout here")
     parser.add_argument("--verbose", action="store_true", help="echo the workers' output (rows as they finish)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch")
+    parser.add_argument("--fuzz", type=int, metavar="N",
+                        help="instead of the table: N random cases against the float64 reference (parity/fuzz.py)")
+    parser.add_argument("--seed", type=int, help="the fuzz run's seed (default: a random one, printed)")
+    parser.add_argument("--fuzz-case", type=int, metavar="SEED", help="rerun one fuzz case by its own seed")
     args = parser.parse_args(argv)
+    if args.fuzz is not None or args.fuzz_case is not None:
+        if args.fuzz is not None and args.fuzz < 1:
+            parser.error("--fuzz needs N >= 1")
+        from . import fuzz  # noqa: PLC0415
+
+        if args.timeout == 900.0:
+            args.timeout = 3600.0  # one launch per world size holds many cases
+        return fuzz.main(args)
     mtp_release = in_range(installed_megatron_core_version(), mtp_loss.SUPPORTED)
     if not mtp_release:
         print(f"note: the MTP layouts are left out: {mtp_loss.UNSUPPORTED_REASON}", file=sys.stderr)

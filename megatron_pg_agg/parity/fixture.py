@@ -44,7 +44,10 @@ class ParityCase:
     dp: int = 1
     """Data-parallel size; the world size is tp * pp * cp * dp."""
     num_microbatches: int = 1
-    """Microbatches per DP rank."""
+    """Microbatches per DP rank (unless ``max_tokens`` is set)."""
+    max_tokens: Optional[int] = None
+    """Capacity of one microbatch in padded tokens: the planner then chooses the microbatch count
+    (the fuzzer draws it); None: ``num_microbatches``."""
     per_token_model: bool = False
     """Use PerTokenLM instead of GPTModel (required for cp > 1 on CPU)."""
     experts: int = 0

@@ -16,7 +16,7 @@ from megatron_pg_agg.patches.mtp_loss import set_mtp_loss_scale
 from .fixture import MOE_EXPERTS, ParityCase, loss_config
 from .models import build_case_model, load_full_state
 
-__all__ = ["mtp_reference", "reference", "step_objective"]
+__all__ = ["mtp_reference", "reference", "report_reference", "step_objective"]
 
 
 def _sequence_token_losses(policy: str, logp: dict, r, cfg, numerator: list) -> dict:
@@ -138,12 +138,15 @@ def step_objective(forward_logits, rollouts, cfg) -> tuple:
     return objective, weight
 
 
-def reference(rollouts, mode: str, policy_loss: str, kind: str, full_state: Optional[dict] = None):
+def reference(rollouts, mode: str, policy_loss: str, kind: str, full_state: Optional[dict] = None, cfg=None,
+              with_report: bool = False):
     """``(J, grads, state)`` of the single-device model of ``kind`` ('gpt', 'per_token', 'moe'):
     :func:`step_objective` differentiated by autograd. No planner, no token weights, no split.
     ``full_state``: the weights to use (the first call's model initialisation otherwise);
-    ``state`` returns them, for the layouts to load."""
-    cfg = loss_config(mode, policy_loss)
+    ``state`` returns them, for the layouts to load. ``cfg``: the loss settings (the parity
+    table's :func:`loss_config` of ``mode`` and ``policy_loss`` when None). ``with_report``: a
+    fourth item, :func:`report_reference`'s fields."""
+    cfg = loss_config(mode, policy_loss) if cfg is None else cfg
     model, state = _reference_model(kind, full_state)
     device = next(model.parameters()).device
     if kind == "mtp":  # the PG objective only: the MTP block's loss gets a backward scale of 0
@@ -160,7 +163,77 @@ def reference(rollouts, mode: str, policy_loss: str, kind: str, full_state: Opti
         objective.backward()
     grads = {name: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).cpu().clone()
              for name, p in model.named_parameters()}
-    return float(objective.detach()), grads, state
+    if not with_report:
+        return float(objective.detach()), grads, state
+    with torch.no_grad():
+        return float(objective.detach()), grads, state, report_reference(forward_logits, rollouts, cfg)
+
+
+def report_reference(forward_logits, rollouts, cfg) -> dict:
+    """The reported fields of a step from their definitions (float64, one response at a time):
+    ``objective`` J; ``pg_loss`` J without the KL and entropy terms; over the numerator tokens,
+    ``ratio`` (the importance ratio each policy loss uses: ``exp(x)`` for ppo and cispo, the
+    sequence's ``exp(mean_n x)`` for gspo, ``exp(mean_n m)`` for gmpo) and ``clip_fraction`` (the
+    clip changed the token's loss: ppo's clipped or dual-clipped term chosen, gspo's clipped term,
+    cispo's weight clamped, gmpo's ``m != x``); over the denominator tokens, the mean ``kl`` (the
+    configured estimator, where reference log-probs exist) and ``entropy``. None where a field
+    has no token (J and J_pg are 0 when W = 0)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    objective, weight = step_objective(forward_logits, rollouts, cfg)
+    pg, _ = step_objective(forward_logits, rollouts, replace(cfg, kl_coef=0.0, entropy_coef=0.0))
+    low, high = cfg.clip_eps_low, cfg.clip_eps_high
+    sums = {"ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0}
+    numerator_tokens, valid_tokens, has_ref = 0, 0, True
+    for r in rollouts:
+        ids = list(r.prompt_ids) + list(r.response_ids)
+        logits = forward_logits(ids).double()
+        p = len(r.prompt_ids)
+        valid = [j for j, m in enumerate(r.loss_mask) if m]
+        numerator = [j for j in valid if r.numerator_mask is None or r.numerator_mask[j]]
+        rows = {j: torch.log_softmax(logits[p + j - 1], dim=-1) for j in valid}
+        logp = {j: float(rows[j][r.response_ids[j]]) for j in valid}
+        for j in valid:
+            sums["entropy"] -= float((rows[j].exp() * rows[j]).sum())
+            if r.ref_logprobs is None:
+                has_ref = False
+            else:
+                x = logp[j] - float(r.ref_logprobs[j])
+                sums["kl"] += {"k1": x, "k2": 0.5 * x * x, "k3": math.exp(-x) + x - 1.0}[cfg.kl_estimator]
+        valid_tokens += len(valid)
+        numerator_tokens += len(numerator)
+        x = {j: logp[j] - float(r.old_logprobs[j]) for j in numerator}
+        m = {}
+        for j in numerator:
+            a = 1.0 if float(r.advantages[j]) >= 0 else -1.0
+            m[j] = a * min(a * x[j], a * min(max(x[j], -low), high))
+        mean_x = sum(x.values()) / len(x) if x else 0.0
+        mean_m = sum(m.values()) / len(m) if m else 0.0
+        for j in numerator:
+            adv = float(r.advantages[j])
+            if cfg.policy_loss in ("ppo", "cispo"):
+                ratio = math.exp(x[j])
+            elif cfg.policy_loss == "gspo":
+                ratio = math.exp(mean_x)
+            else:
+                ratio = math.exp(mean_m)
+            clipped_ratio = min(max(ratio, 1.0 - low), 1.0 + high)
+            if cfg.policy_loss == "cispo":
+                clipped = clipped_ratio != ratio
+            elif cfg.policy_loss == "gmpo":
+                clipped = m[j] != x[j]
+            else:
+                clipped = -adv * clipped_ratio > -adv * ratio
+                if cfg.policy_loss == "ppo" and cfg.dual_clip is not None and adv < 0:
+                    clipped = clipped or max(-adv * ratio, -adv * clipped_ratio) > -adv * cfg.dual_clip
+            sums["ratio"] += ratio
+            sums["clip_fraction"] += float(clipped)
+    out = {"objective": float(objective) if weight else 0.0, "pg_loss": float(pg) if weight else None}
+    for name in ("ratio", "clip_fraction"):
+        out[name] = sums[name] / numerator_tokens if numerator_tokens else None
+    out["kl"] = sums["kl"] / valid_tokens if valid_tokens and has_ref else None
+    out["entropy"] = sums["entropy"] / valid_tokens if valid_tokens else None
+    return out
 
 
 def _reference_model(kind: str, full_state: Optional[dict]):

@@ -36,7 +36,7 @@ from .models import build_case_model, full_parameter_name, load_full_state, tp_r
 from .reference import mtp_reference, reference
 from .report import REFERENCE_LABELS, format_row
 
-__all__ = ["gather_full_grads", "run_case", "worker_main"]
+__all__ = ["build_layout_model", "gather_full_grads", "plan_config", "run_case", "step_on_layout", "worker_main"]
 
 
 def gather_full_grads(ddp_chunks) -> dict:
@@ -72,9 +72,15 @@ def _per_microbatch_weights(mb, rollouts, cfg):
 
 def _plan(case: ParityCase, rollouts, cfg, cp_rank: int):
 
-    return plan_step(rollouts, cfg, PlanConfig(
-        dp_size=case.dp, num_microbatches=case.num_microbatches, tp_size=case.tp, cp_size=case.cp,
-        vocab_size=VOCAB, uniform_microbatch_tokens=case.uniform_tokens), cp_rank=cp_rank)
+    return plan_step(rollouts, cfg, plan_config(case), cp_rank=cp_rank)
+
+
+def plan_config(case: ParityCase) -> PlanConfig:
+    """How the case cuts its step: its DP/TP/CP sizes and microbatch count or capacity."""
+    return PlanConfig(
+        dp_size=case.dp, num_microbatches=case.num_microbatches if case.max_tokens is None else None,
+        max_tokens_per_microbatch=case.max_tokens, tp_size=case.tp, cp_size=case.cp,
+        vocab_size=VOCAB, uniform_microbatch_tokens=case.uniform_tokens)
 
 
 def _groups(case: ParityCase):
@@ -154,44 +160,60 @@ def _gather_everywhere(grads: dict) -> dict:
     return full
 
 
-def run_case(case: ParityCase, rollouts, runs, full_states, references):
-    """Run one case for each ``(policy_loss, mode)`` of ``runs``; rows on global rank 0 (None
-    elsewhere)."""
-
-
+def build_layout_model(case: ParityCase, full_state: dict) -> list:
+    """The case's layout initialised (``parallel_state``) and its DDP-wrapped chunks holding the
+    reference's weights ``full_state``; the project's config checks unless a control breaks them."""
     init_parallel(case.layout, ep=case.ep)
     per_token_loss = case.control != "megatron_default_averaging"
     config, chunks = build_case_model(case, per_token_loss=per_token_loss)
-    load_full_state(chunks, full_states[case.model_kind])
+    load_full_state(chunks, full_state)
     ddp_config = default_ddp_config()
     model = wrap_in_ddp(chunks, config, ddp_config)
     config.finalize_model_grads_func = finalize_model_grads
     if case.control is None:
         check_megatron_config(config, ddp_config)
+    return model
+
+
+def step_on_layout(case: ParityCase, model, rollouts, cfg, groups, device, microbatches=None):
+    """One planned step of ``rollouts`` on the layout's ``model``: ``(result, plan, full, mtp_full,
+    step_s)``, ``full`` the PG objective's gradients gathered under single-device names (on every
+    rank; MoE/MTP: the side losses' gradient subtracted), ``mtp_full`` the MTP-only run's."""
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_rank = parallel_state.get_context_parallel_rank()
-    groups = _groups(case)
     # MoE: expert gradients live on their EP rank (any DP rank): every rank sends its gradients
     keep = (dp_rank == 0 and cp_rank == 0) or bool(case.experts)
+    plan = _plan(case, rollouts, cfg, cp_rank)
+    mbs = None if microbatches is None else microbatches(plan, dp_rank)
+    t0 = time.perf_counter()
+    result = run_pg_step(model, plan, cfg, groups, dp_rank=dp_rank, experts=bool(case.experts),
+                         device=device, microbatches=mbs)
+    step_s = time.perf_counter() - t0
+    mtp_grads = None
+    if case.experts or case.mtp:
+        mtp_grads = _subtract_side_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device)
+    full = _gather_everywhere(gather_full_grads(model) if keep else {})
+    mtp_full = _gather_everywhere(mtp_grads if keep else {}) if case.mtp else None
+    return result, plan, full, mtp_full, step_s
+
+
+def run_case(case: ParityCase, rollouts, runs, full_states, references):
+    """Run one case for each ``(policy_loss, mode)`` of ``runs``; rows on global rank 0 (None
+    elsewhere)."""
+    model = build_layout_model(case, full_states[case.model_kind])
+    groups = _groups(case)
     device = torch.device("cuda") if torch.cuda.is_available() else None
     rows = []
     for policy, mode in runs:
         cfg = loss_config(mode, policy)
-        plan = _plan(case, rollouts, cfg, cp_rank)
-        mbs = None
+        microbatches = None
         if case.control == "per_microbatch_weights":
-            mbs = [replace(mb, token_weights=_per_microbatch_weights(mb, rollouts, cfg))
-                   for mb in plan.for_rank(dp_rank)]
-        t0 = time.perf_counter()
-        result = run_pg_step(model, plan, cfg, groups, dp_rank=dp_rank, experts=bool(case.experts),
-                             device=device, microbatches=mbs)
-        step_s = time.perf_counter() - t0
-        mtp_grads = None
-        if case.experts or case.mtp:
-            mtp_grads = _subtract_side_loss_gradient(model, rollouts, cfg, case, groups, cp_rank, dp_rank, device)
+            def microbatches(plan, dp_rank, cfg=cfg):
+                return [replace(mb, token_weights=_per_microbatch_weights(mb, rollouts, cfg))
+                        for mb in plan.for_rank(dp_rank)]
+        result, plan, full, mtp_full, step_s = step_on_layout(case, model, rollouts, cfg, groups, device,
+                                                              microbatches)
         total, count = result.pairs[REPORT_KEYS.index("objective")].tolist()  # every stage has them
-        full = _gather_everywhere(gather_full_grads(model) if keep else {})
-        mtp_full = _gather_everywhere(mtp_grads if keep else {}) if case.mtp else None
         if dist.get_rank() != 0:
             continue
         objective = total / count if count else 0.0
