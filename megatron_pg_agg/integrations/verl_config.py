@@ -70,6 +70,14 @@ def verl_install_problem() -> Optional[str]:
     if not version.startswith("0.9."):
         return (f"verl {version} is installed; the plug-in is written for verl 0.9.x ({VERL_VERSION} tested): "
                 f"{VERL_INSTALL}")
+    # verl 0.9 builds through Megatron-Bridge 0.6, which is megatron-core 0.19's (the engine patch's range)
+    try:
+        core = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        core = None
+    if core is None or not core.startswith("0.19."):
+        return (f"the verl plug-in runs with megatron-core 0.19 (verl {VERL_VERSION} builds through Megatron-Bridge "
+                f"0.6.2, built on 0.19); this environment has megatron-core {core or 'none'}: {VERL_INSTALL}")
     return None
 
 

@@ -93,6 +93,19 @@ def test_refusals_name_the_verl_keys():
     assert msg.count("\n  - ") == 3, msg
 
 
+def test_install_problem_names_megatron_core_0_19(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    installed = {"verl": "0.9.1", "megatron-bridge": "0.6.2", "tensordict": "0.10.0", "megatron-core": "0.18.2"}
+    monkeypatch.setattr(sys, "version_info", SimpleNamespace(major=3, minor=12))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed.get(name) or real(name))
+    problem = verl_install_problem()
+    assert "megatron-core 0.19" in problem and "megatron-core 0.18.2" in problem
+    installed["megatron-core"] = "0.19.2"
+    assert verl_install_problem() is None
+
+
 def test_install_problem_names_python_3_12_and_the_install_line(monkeypatch):
     monkeypatch.setattr(sys, "version_info", SimpleNamespace(major=3, minor=11))
     problem = verl_install_problem()
