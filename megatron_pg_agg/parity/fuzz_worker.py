@@ -99,7 +99,9 @@ def run_one(case: FuzzCase, full_states: dict, device) -> dict:
         corrected_rollouts(rollouts, cfg), cfg.mode, cfg.policy_loss, pc.model_kind, full_states.get(pc.model_kind),
         cfg=replace(cfg, rollout_correction=None), with_report=True)
     full_states.setdefault(pc.model_kind, state)
-    mtp_ref = mtp_reference(rollouts, full_states["mtp"]) if pc.mtp else None
+    valid = sum(1 for r in rollouts for m in r.loss_mask if m)
+    # the MTP term is a mean over the step's valid tokens: with none (W = 0) it and its gradient are 0
+    mtp_ref = mtp_reference(rollouts, full_states["mtp"]) if pc.mtp and valid else None
     teardown_parallel()
     row = {"seed": case.seed, "case": case.describe(), "world": case.world}
     try:
@@ -114,7 +116,10 @@ def run_one(case: FuzzCase, full_states: dict, device) -> dict:
         ref_grads = {k: v for k, v in ref_grads.items() if not k.startswith("mtp.")}
     grad_err, worst, norm_err, ref_norm = _grad_error(full, ref_grads)
     if pc.mtp:
-        mtp_err = _grad_error(mtp_full, mtp_ref)[0]
+        if mtp_ref is None:  # no valid token: the MTP-only gradient must be exactly 0
+            mtp_err = 0.0 if all(float(v.abs().max()) == 0.0 for v in mtp_full.values()) else math.inf
+        else:
+            mtp_err = _grad_error(mtp_full, mtp_ref)[0]
         if mtp_err > grad_err:
             grad_err, worst = mtp_err, "MTP-only gradient"
     fields = {k: _close(got.get(k), ref_fields[k]) for k in REPORT_KEYS}
