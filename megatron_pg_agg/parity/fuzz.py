@@ -284,6 +284,8 @@ def run_fuzz(n: int, seed: int, *, timeout_s: float = 1800.0, log=print, case_se
 
 
 def _format(row: dict) -> str:
+    if "error" in row:
+        return f"FAIL {row['seed']:>10} {row['case']}: {row['error']}\n     rerun: {row['rerun']}"
     status = "ok  " if row["passed"] else "FAIL"
     line = (f"{status} {row['seed']:>10} {row['case']}: J {row['objective']:+.6f} ref {row['reference']:+.6f} "
             f"rel {row['objective_rel_err']:.1e}, fields {row['fields_max_err']:.1e}, grad norm "

@@ -94,16 +94,20 @@ def run_one(case: FuzzCase, full_states: dict, device) -> dict:
     pc = case.parity_case
     rollouts = fuzz_rollouts(case)
     cfg = PGLossConfig(**case.loss)
-    init_parallel(ParallelSizes())
-    ref_obj, ref_grads, state, ref_fields = reference(
-        corrected_rollouts(rollouts, cfg), cfg.mode, cfg.policy_loss, pc.model_kind, full_states.get(pc.model_kind),
-        cfg=replace(cfg, rollout_correction=None), with_report=True)
-    full_states.setdefault(pc.model_kind, state)
-    valid = sum(1 for r in rollouts for m in r.loss_mask if m)
-    # the MTP term is a mean over the step's valid tokens: with none (W = 0) it and its gradient are 0
-    mtp_ref = mtp_reference(rollouts, full_states["mtp"]) if pc.mtp and valid else None
-    teardown_parallel()
     row = {"seed": case.seed, "case": case.describe(), "world": case.world}
+    init_parallel(ParallelSizes())
+    try:  # the same on every rank, with no collective: a failure here is this case's, not the run's
+        ref_obj, ref_grads, state, ref_fields = reference(
+            corrected_rollouts(rollouts, cfg), cfg.mode, cfg.policy_loss, pc.model_kind,
+            full_states.get(pc.model_kind), cfg=replace(cfg, rollout_correction=None), with_report=True)
+        full_states.setdefault(pc.model_kind, state)
+        valid = sum(1 for r in rollouts for m in r.loss_mask if m)
+        # the MTP term is a mean over the step's valid tokens: with none (W = 0) it and its gradient are 0
+        mtp_ref = mtp_reference(rollouts, full_states["mtp"]) if pc.mtp and valid else None
+    except Exception as exc:  # noqa: BLE001  (reported as the case's failure, with its rerun command)
+        teardown_parallel()
+        return {**row, "passed": False, "error": f"the reference failed: {type(exc).__name__}: {exc}"}
+    teardown_parallel()
     try:
         model = build_layout_model(pc, full_states[pc.model_kind])
     except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
