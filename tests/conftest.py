@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.optional import REQUIRE_MEGATRON_LM, require
+
 ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "distributed"  # not "dist": pytest skips folders named dist by default (norecursedirs)
-REQUIRE_MEGATRON_LM = "MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM"
 
 
 def pytest_configure(config):
@@ -56,9 +57,7 @@ def find_megatron_lm():
 
 def _missing(reason: str):
     """Skip with ``reason`` on a user's machine; fail under MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM=1."""
-    if os.environ.get(REQUIRE_MEGATRON_LM) == "1":
-        pytest.fail(f"{REQUIRE_MEGATRON_LM}=1 but {reason}")
-    pytest.skip(reason)
+    require(reason, REQUIRE_MEGATRON_LM)
 
 
 @pytest.fixture(scope="session")

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .verl_config import ACTOR, BLOCK, LOSS_MODE, loss_config_from_verl
+from .verl_config import ACTOR, BLOCK, LOSS_MODE, _get, loss_config_from_verl
 
 _NOT_APPLIED: Optional[str] = None
 """Why the engine patch could not be applied in this process (None: applied, or not tried)."""
-
-
-def _get(node, key, default=None):
-    return node.get(key, default) if hasattr(node, "get") else getattr(node, key, default)
 
 
 def worker_loss(worker_config, role: str = "actor", distillation: bool = False):

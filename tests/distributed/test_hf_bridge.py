@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from tests.support.launching import ROOT, child_env, run, torchrun, worker
+from tests.support.optional import REQUIRE_BRIDGE, require
 
-REQUIRE_BRIDGE = "MEGATRON_PG_AGG_REQUIRE_BRIDGE"
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TIED = "qwen3_tied"  # tie_word_embeddings (as Qwen3's small models): one weight, across PP stages too
 MODES = {"token_mean": [], "seq_mean": [], "prompt_mean": [],
@@ -37,11 +37,7 @@ def _bridge_problem():
 
 @pytest.fixture(scope="module", autouse=True)
 def _bridge_installed():
-    problem = _bridge_problem()
-    if problem is not None:
-        if os.environ.get(REQUIRE_BRIDGE) == "1":
-            pytest.fail(f"{REQUIRE_BRIDGE}=1 but {problem}")
-        pytest.skip(problem)
+    require(_bridge_problem(), REQUIRE_BRIDGE)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ Python 3.12 with verl (the ``verl`` extra) only; elsewhere these tests skip with
 fail instead under MEGATRON_PG_AGG_REQUIRE_VERL=1 (.ci/run's 0.19.2 leg).
 """
 import json
-import os
 import sys
 
 import pytest
 
 from tests.support.launching import child_env, run, torchrun, worker
+from tests.support.optional import REQUIRE_VERL, require
 
-REQUIRE_VERL = "MEGATRON_PG_AGG_REQUIRE_VERL"
 CHECKS = worker("verl_checks")
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 OBJECTIVE_TOL = 1e-6  # |J| is 0.01..0.5: float32 sums over ~70 tokens against float64
@@ -30,11 +29,7 @@ GRAD_TOL = 1e-5  # relative, whole gradient: float32 model against float64 (seen
 def _verl_installed():
     from megatron_pg_agg.integrations.verl_config import verl_install_problem
 
-    problem = verl_install_problem()
-    if problem is not None:
-        if os.environ.get(REQUIRE_VERL) == "1":
-            pytest.fail(f"{REQUIRE_VERL}=1 but {problem}")
-        pytest.skip(problem)
+    require(verl_install_problem(), REQUIRE_VERL)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 a namespace with the ConfigContainer's fields stands in for it), and the bridge_loop_cpu patch."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from megatron_pg_agg.integrations.bridge_loop import pg_recipe_problems
 from megatron_pg_agg.patches import bridge_cpu, bridge_loop_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
+from tests.support.optional import REQUIRE_BRIDGE, require
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -81,10 +81,8 @@ def test_the_model_is_built_on_the_cpu_whatever_the_caller_passes():
 
 def test_the_loop_patch_applies_to_megatron_bridge_0_6():
     """In a fresh interpreter (megatron.bridge imports the megatron.training of megatron-core's wheel)."""
-    if not BRIDGE_RELEASE:
-        if os.environ.get("MEGATRON_PG_AGG_REQUIRE_BRIDGE") == "1":
-            pytest.fail("MEGATRON_PG_AGG_REQUIRE_BRIDGE=1 but megatron-bridge / megatron-core 0.19 is missing")
-        pytest.skip("megatron-bridge 0.6 with megatron-core 0.19 only")
+    require(None if BRIDGE_RELEASE else "megatron-bridge 0.6 with megatron-core 0.19 only (one of them is missing)",
+            REQUIRE_BRIDGE)
     out = subprocess.run([sys.executable, "-c", _APPLIED], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0 and "applied and reverted" in out.stdout, out.stderr[-5000:]
     assert bridge_loop_cpu.NAME == "bridge_loop_cpu"

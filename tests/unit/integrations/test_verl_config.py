@@ -21,6 +21,7 @@ from megatron_pg_agg.integrations.verl_config import (
     loss_config_from_verl,
     verl_install_problem,
 )
+from tests.support.optional import REQUIRE_VERL, require
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "verl.md"
 
@@ -113,11 +114,7 @@ def test_install_problem_names_python_3_12_and_the_install_line(monkeypatch):
 
 
 def _verl():
-    problem = verl_install_problem()
-    if problem is not None:
-        if os.environ.get("MEGATRON_PG_AGG_REQUIRE_VERL") == "1":
-            pytest.fail(problem)
-        pytest.skip(problem)
+    require(verl_install_problem(), REQUIRE_VERL)
 
 
 def test_the_docs_example_is_the_switch_to_prompt_mean():

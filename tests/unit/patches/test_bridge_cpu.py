@@ -2,7 +2,6 @@
 0.6 on megatron-core 0.19 (there only; elsewhere it must refuse, naming the release)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 from megatron_pg_agg.patches import bridge_cpu
 from megatron_pg_agg.patches._machinery import apply, is_applied
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
+from tests.support.optional import REQUIRE_BRIDGE, require
 
 ROOT = Path(__file__).resolve().parents[3]
 BRIDGE_RELEASE = (in_range(installed_megatron_core_version(), bridge_cpu.SUPPORTED)
@@ -63,10 +63,8 @@ print("bridge_cpu: applied and reverted")
 def test_it_runs_on_megatron_bridge_0_6_with_megatron_core_0_19():
     """In a fresh interpreter: importing megatron.bridge also imports the megatron.training that
     megatron-core 0.19's wheel ships, which would shadow a Megatron-LM checkout in later tests."""
-    if not BRIDGE_RELEASE:
-        if os.environ.get("MEGATRON_PG_AGG_REQUIRE_BRIDGE") == "1":
-            pytest.fail("MEGATRON_PG_AGG_REQUIRE_BRIDGE=1 but megatron-bridge / megatron-core 0.19 is missing")
-        pytest.skip("megatron-bridge 0.6 with megatron-core 0.19 only")
+    require(None if BRIDGE_RELEASE else "megatron-bridge 0.6 with megatron-core 0.19 only (one of them is missing)",
+            REQUIRE_BRIDGE)
     out = subprocess.run([sys.executable, "-c", _APPLIED_FOR_REAL], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0 and "applied and reverted" in out.stdout, out.stderr[-5000:]
