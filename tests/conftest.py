@@ -1,10 +1,11 @@
-"""Shared fixtures and the ``dist`` marker.
+"""Shared fixtures and the ``dist`` and ``optional_stack`` markers.
 
 Layout: ``tests/unit`` (in-process, fast: ``pytest -m "not dist" tests``), ``tests/distributed``
 (every test there launches processes: torchrun jobs, the trainer, Megatron-LM; marked ``dist``
 automatically), ``tests/distributed/workers`` (what those launches run, as
 ``-m tests.distributed.workers.X``) and ``tests/support`` (helpers, imported as
-``tests.support.X``)."""
+``tests.support.X``). Tests that need Megatron-Bridge or verl carry ``optional_stack``: .ci/run
+runs the rest before it installs them (their imports slow every Megatron-LM process), then these."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,8 @@ DIST = ROOT / "tests" / "distributed"  # not "dist": pytest skips folders named 
 def pytest_configure(config):
     config.addinivalue_line("markers", "dist: launches processes (torchrun, the trainer, Megatron-LM); "
                                        "every test under tests/distributed")
+    config.addinivalue_line("markers", "optional_stack: needs Megatron-Bridge or verl installed (the bridge / "
+                                       "verl extras); .ci/run runs these after installing them, the rest before")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,6 +28,8 @@ CHECKS, REFERENCE, RUNS = worker("hf_checks"), worker("hf_reference"), worker("t
 TRAIN = ROOT / "launch" / "train_actor.py"
 IDS = [3, 17, 99, 5, 64, 1, 127, 42, 8, 23, 77, 0, 64]
 
+pytestmark = pytest.mark.optional_stack  # .ci/run: after installing the stack
+
 
 def _bridge_problem():
     from megatron_pg_agg.integrations.hf_folder import bridge_install_problem

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.support.launching import ROOT, child_env, finish, free_port, run, start, torchrun, worker
+from tests.support.launching import ROOT, child_env, finish, free_port, run, split_by_run, start, torchrun, worker
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 REFERENCE = worker("trainer_reference")
@@ -61,26 +61,53 @@ def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
     print(f"main job: {elapsed:.1f}s; iteration 11 vs reference: objective {obj_err:.1e}, grad_norm {norm_err:.1e}")
 
 
-@pytest.mark.parametrize("argv,env,words", [
-    (["--pg-loss-aggregation", "constant"], {}, ["--pg-loss-aggregation-divisor"]),
-    (["--pg-loss-aggregation-divisor", "8"], {}, ["constant"]),
-    (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"}, ["not divisible", "TP x PP x CP"]),
-    (["--pipeline-model-parallel-size", "3"], {"WORLD_SIZE": "3"}, ["--num-layers 2", "not divisible"]),
-    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--batch-p2p-comm"], {"WORLD_SIZE": "2"}, ["interleaved", "--batch-p2p-comm"]),
-    (["--no-calculate-per-token-loss"], {}, ["calculate_per_token_loss"]),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
-     ["--sequence-parallel needs Transformer Engine", "run on a GPU"]),
-    (["--context-parallel-size", "2"], {"WORLD_SIZE": "2"},
-     ["--context-parallel-size > 1 needs Transformer Engine's THD attention (GPU)"]),
-    (["--bf16"], {}, ["--bf16 needs CUDA", "run fp32 on CPU"]),
-    (["--rollouts", "/nonexistent/steps.jsonl"], {}, ["no such file"]),
-])
-def test_invalid_runs_are_refused_before_any_process_group(argv, env, words):
-    # no torchrun: if validation let this through, init_process_group would wait for peers
-    rc, out, _ = run([sys.executable, str(TRAIN), *argv], 60, "refused start", env=child_env(**env))
-    assert rc == 2, out[-5000:]
-    for word in words:
+# name -> (argv, environment, words the refusal must contain): each exits 2 before any process group
+REFUSALS = {
+    "constant-without-divisor": (["--pg-loss-aggregation", "constant"], {}, ["--pg-loss-aggregation-divisor"]),
+    "divisor-without-constant": (["--pg-loss-aggregation-divisor", "8"], {}, ["constant"]),
+    "tp-not-dividing-world": (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"},
+                              ["not divisible", "TP x PP x CP"]),
+    "pp-not-dividing-layers": (["--pipeline-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
+                               ["--num-layers 2", "not divisible"]),
+    "interleaved-batch-p2p": (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                               "--num-layers-per-virtual-pipeline-stage", "1", "--batch-p2p-comm"],
+                              {"WORLD_SIZE": "2"}, ["interleaved", "--batch-p2p-comm"]),
+    "no-per-token-loss": (["--no-calculate-per-token-loss"], {}, ["calculate_per_token_loss"]),
+    "sequence-parallel-on-cpu": (["--sequence-parallel", "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+                                 ["--sequence-parallel needs Transformer Engine", "run on a GPU"]),
+    "context-parallel-on-cpu": (["--context-parallel-size", "2"], {"WORLD_SIZE": "2"},
+                                ["--context-parallel-size > 1 needs Transformer Engine's THD attention (GPU)"]),
+    "bf16-on-cpu": (["--bf16"], {}, ["--bf16 needs CUDA", "run fp32 on CPU"]),
+    "missing-rollout-file": (["--rollouts", "/nonexistent/steps.jsonl"], {}, ["no such file"]),
+    # the built-in rollouts carry no rollout_logprobs
+    "correction-without-rollout-logprobs": (["--pg-rollout-correction", "token_truncate"], {},
+                                            ["rollout_logprobs is missing", "--pg-rollout-correction"]),
+    "correction-bounds-crossed": (["--pg-rollout-correction", "token_mask", "--pg-rollout-correction-max", "0.5",
+                                   "--pg-rollout-correction-min", "0.8"], {}, ["C > c"]),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict:
+    """{name: (exit status, its output)} of every REFUSALS start, one after another through the
+    command line's ``main`` in one process (workers/trainer_runs.py; importing megatron-core is
+    most of a start's cost). No torchrun: a run the checks let through would wait for its peers
+    in init_process_group, and the launch would time out."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    spec, result = tmp / "runs.json", tmp / "result.json"
+    spec.write_text(json.dumps([{"name": name, "argv": [*argv, "--metrics-file", str(tmp / f"{name}.jsonl")],
+                                 "env": env} for name, (argv, env, _) in REFUSALS.items()]))
+    rc, out, _ = run([sys.executable, *RUNS, spec, result], 240, "refused starts", env=child_env())
+    assert rc == 0 and result.exists(), out[-20000:]
+    status, parts = json.loads(result.read_text()), split_by_run(out)
+    return {name: (status[name], parts[name]) for name in REFUSALS}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_invalid_runs_are_refused_before_any_process_group(refusals, name):
+    status, out = refusals[name]
+    assert status == 2, out[-5000:]
+    for word in REFUSALS[name][2]:
         assert word in out, (word, out[-3000:])
     assert "world=" not in out  # the run never started
 
@@ -120,18 +147,6 @@ def test_training_from_a_rollout_file_matches_the_built_in_data(tmp_path):
         runs[name] = _records(metrics)
     assert [r["objective"] for r in runs["builtin"][0]] == [r["objective"] for r in runs["file"][0]]
     assert runs["builtin"][1][0]["param_checksum"] == runs["file"][1][0]["param_checksum"]
-
-
-def test_the_trainer_refuses_a_correction_without_rollout_logprobs(tmp_path):
-    """The built-in rollouts carry no rollout_logprobs: exit 2 at start-up naming the field."""
-    rc, out, _ = run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--pg-rollout-correction",
-                      "token_truncate", "--metrics-file", tmp_path / "m.jsonl"], 120, "refused correction",
-                     env=child_env())
-    assert rc == 2 and "rollout_logprobs is missing" in out and "--pg-rollout-correction" in out, out[-3000:]
-    rc, out, _ = run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--pg-rollout-correction",
-                      "token_mask", "--pg-rollout-correction-max", "0.5", "--pg-rollout-correction-min", "0.8"],
-                     120, "refused bounds", env=child_env())
-    assert rc == 2 and "C > c" in out, out[-3000:]
 
 
 # Every mode x policy loss (the three KL estimators in turn), and every rollout correction: one

@@ -24,6 +24,8 @@ MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 OBJECTIVE_TOL = 1e-6  # |J| is 0.01..0.5: float32 sums over ~70 tokens against float64
 GRAD_TOL = 1e-5  # relative, whole gradient: float32 model against float64 (seen: <= 6e-7)
 
+pytestmark = pytest.mark.optional_stack  # .ci/run: after installing the stack
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _verl_installed():

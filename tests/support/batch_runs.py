@@ -3,10 +3,12 @@ megatron_lm_runs.py): several runs of an entry's ``main(argv)`` in one launch.
 
     [torchrun ...] -m tests.distributed.workers.<worker> RUNS.json RESULT.json
 
-RUNS.json is a list of ``{"name": ..., "argv": [...], ...}``; rank 0 writes ``{name: exit status}``
+RUNS.json is a list of ``{"name": ..., "argv": [...], ...}`` (``"env"``: variables set for that
+run only, :func:`run_environment`); rank 0 writes ``{name: exit status}``
 to RESULT.json. Each worker says how a run is made and how the next one is reset."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,6 +21,23 @@ def exit_status(main, argv: list) -> int:
         return main(argv)
     except SystemExit as exc:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+
+
+@contextlib.contextmanager
+def run_environment(run: dict):
+    """The run's ``"env"`` ({name: value}) set in ``os.environ`` for the run, restored after it
+    (a refused start's WORLD_SIZE, say)."""
+    changes = run.get("env") or {}
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def announce(run: dict) -> None:

@@ -2,12 +2,12 @@
 
     [torchrun --standalone --nproc_per_node N] -m tests.distributed.workers.trainer_runs RUNS.json RESULT.json
 
-RUNS.json is a list of ``{"name": ..., "argv": [...]}``. Each run goes through the command line's
-own ``main(argv)`` (what ``launch/train_actor.py`` exits with): its checks, process group, model,
-steps and close, which destroys the process group; the next run makes a new one on a new
-rendezvous port (a new group on torchrun's own store would read the old group's keys). Importing
-torch and megatron-core costs most of a 2-core launch; a run after that costs ~1 s. Rank 0 writes
-``{name: exit status}`` to RESULT.json.
+RUNS.json is a list of ``{"name": ..., "argv": [...]}`` (``"env"``: variables for that run only).
+Each run goes through the command line's own ``main(argv)`` (what ``launch/train_actor.py`` exits
+with): its checks, process group, model, steps and close, which destroys the process group; the
+next run makes a new one on a new rendezvous port (a new group on torchrun's own store would read
+the old group's keys). Importing torch and megatron-core costs most of a 2-core launch; a run
+after that costs ~1 s. Rank 0 writes ``{name: exit status}`` to RESULT.json.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 from datetime import timedelta
 
 from megatron_pg_agg.training.cli import main
-from tests.support.batch_runs import announce, exit_status, serve
+from tests.support.batch_runs import announce, exit_status, run_environment, serve
 
 
 def run_all(runs: list) -> dict:
@@ -25,7 +25,8 @@ def run_all(runs: list) -> dict:
         if index and "RANK" in os.environ:
             _fresh_rendezvous(agent, index)
         announce(run)
-        status[run["name"]] = exit_status(main, list(run["argv"]))
+        with run_environment(run):
+            status[run["name"]] = exit_status(main, list(run["argv"]))
     return status
 
 

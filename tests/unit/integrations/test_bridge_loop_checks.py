@@ -79,6 +79,7 @@ def test_the_model_is_built_on_the_cpu_whatever_the_caller_passes():
     assert calls == [("provider", (), {"ddp_config": "ddp", "use_cpu_initialization": True})]
 
 
+@pytest.mark.optional_stack
 def test_the_loop_patch_applies_to_megatron_bridge_0_6():
     """In a fresh interpreter (megatron.bridge imports the megatron.training of megatron-core's wheel)."""
     require(None if BRIDGE_RELEASE else "megatron-bridge 0.6 with megatron-core 0.19 only (one of them is missing)",

@@ -6,6 +6,7 @@ since what is tested is the file handling, not the conversion (tests/distributed
 runs the real one)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import torch
 
 from megatron_pg_agg.integrations import hf_folder
 from megatron_pg_agg.integrations.hf_folder import BRIDGE_INSTALL, HFFolderError, open_hf_folder
+from tests.support.optional import REQUIRE_BRIDGE, require
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -125,8 +127,15 @@ def _fake_hf(source: Path, tensors: list, fail_after=None):
     return types.SimpleNamespace(folder=folder, bridge=types.SimpleNamespace(export_hf_weights=export))
 
 
+def _safetensors():
+    """The bridge extra installs safetensors: skip without it, fail where CI installed it."""
+    require(None if importlib.util.find_spec("safetensors") else "safetensors is not installed (the bridge extra)",
+            REQUIRE_BRIDGE)
+
+
+@pytest.mark.optional_stack
 def test_save_hf_folder_writes_config_weights_and_tokenizer_and_replaces_atomically(tmp_path):
-    pytest.importorskip("safetensors")
+    _safetensors()
     from safetensors.torch import load_file
 
     from megatron_pg_agg.integrations.hf_bridge import save_hf_folder
@@ -159,8 +168,9 @@ def test_save_hf_folder_writes_config_weights_and_tokenizer_and_replaces_atomica
     assert sorted(os.listdir(tmp_path)) == ["out", "sharded", "source"]
 
 
+@pytest.mark.optional_stack
 def test_a_rank_other_than_0_writes_nothing(tmp_path):
-    pytest.importorskip("safetensors")
+    _safetensors()
     from megatron_pg_agg.integrations.hf_bridge import save_hf_folder
 
     source = tmp_path / "source"

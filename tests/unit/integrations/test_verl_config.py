@@ -124,6 +124,7 @@ def test_the_docs_example_is_the_switch_to_prompt_mean():
                                "actor_rollout_ref.actor.clip_ratio_high=0.28"]
 
 
+@pytest.mark.optional_stack
 def test_docs_lines_compose_with_verl_own_config_and_load_the_plugin():
     """In a fresh interpreter: ``import verl`` loads the plug-in through verl's entry-point
     mechanism (the patch's marker on both targets); verl's own ppo_megatron_trainer config with
@@ -155,6 +156,7 @@ assert worker_loss(cfg.actor_rollout_ref, "ref") is None
     assert "CFG prompt_mean ppo 3.0 0.28" in proc.stdout, proc.stdout
 
 
+@pytest.mark.optional_stack
 def test_mini_batch_problems_name_the_field():
     """prepare_step on a verl mini-batch: prompt_mean without verl's uid, two corrections at once, a
     correction without the rollout engine's log-probs; each refused naming the field or key."""

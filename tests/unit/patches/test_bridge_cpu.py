@@ -60,6 +60,7 @@ print("bridge_cpu: applied and reverted")
 """
 
 
+@pytest.mark.optional_stack
 def test_it_runs_on_megatron_bridge_0_6_with_megatron_core_0_19():
     """In a fresh interpreter: importing megatron.bridge also imports the megatron.training that
     megatron-core 0.19's wheel ships, which would shadow a Megatron-LM checkout in later tests."""
