@@ -57,7 +57,9 @@ class TestedRelease:
     torch: str
     """The torch release the leg installs (2.13.0: the CPU wheel; 2.14.1: a CUDA build that runs on CPU)."""
     suite: str
-    """``full``: every test; ``unit+megatron-lm``: tests/unit plus the Megatron-LM layout tests."""
+    """``full``: every test (the README's test command); ``release``: every test but the trainer's
+    command-line, data-file and failure-handling tests (:data:`HOST_TESTS`), which run on the full
+    leg; ``unit+megatron-lm``: tests/unit plus the Megatron-LM tests."""
     megatron_bridge: str | None = None
     """The megatron-bridge release the leg also installs (``--no-deps``, then the ``bridge``
     extra) and whose tests must run there (--hf-model, --save-hf); None: not installed."""
@@ -71,7 +73,7 @@ TESTED: tuple[TestedRelease, ...] = (
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
     TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm"),
     TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
-    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full",
+    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "release",
                   megatron_bridge="0.6.2", verl="0.9.1"),
 )
 """The CI legs, in the order .ci/run runs them (one venv per Python; only megatron-core changes).
@@ -80,12 +82,24 @@ imports (nvidia-modelopt and transformers, which Megatron-LM's training side and
 import when present) cost every Megatron-LM process about 11 s more on 2 cores."""
 
 
+HOST_TESTS = ("tests/distributed/test_train_actor.py", "tests/distributed/test_reliability.py")
+"""What a ``release`` leg leaves to the full leg: the trainer's command line (start-up refusals,
+two loopback nodes, rollout files) and its failure handling (bad files, non-finite steps, killed
+and hung ranks, torn saves, resume). Their subject is this project's host code; on the other
+releases the fuzzer compares every reported field and the gradients with the float64 reference,
+and the Megatron-LM tests kill and resume a run. About 13 minutes of a Python 3.12 leg."""
+
+SUITE_NAMES = {"full": "the whole suite", "release": "the whole suite but the trainer's host tests",
+               "unit+megatron-lm": "unit suite + Megatron-LM layout tests"}
+"""The README table's words for each suite."""
+
+
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
     rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | CI runs |",
             "|---|---|---|---|---|---|---|"]
     for leg in TESTED:
-        suite = "the whole suite" if leg.suite == "full" else "unit suite + Megatron-LM layout tests"
+        suite = SUITE_NAMES[leg.suite]
         rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
                     f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {suite} |")
     return "\n".join(rows)
@@ -187,5 +201,7 @@ if __name__ == "__main__":
         print(_ci_legs())
     elif command == "table":
         print(tested_table())
+    elif command == "host-tests":
+        print(" ".join(HOST_TESTS))
     else:
-        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table]")
+        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table|host-tests]")
