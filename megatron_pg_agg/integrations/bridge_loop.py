@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.megatron import upstream_bugs
 from megatron_pg_agg.training.rollout_steps import load_steps
 from megatron_pg_agg.training.run_config import DataConfig, StartupError
 
@@ -89,6 +90,7 @@ def pg_recipe_problems(cfg) -> list:
                         "softmax, so the log-probs are no longer the HF model's; set it to False")
     if getattr(model, "mtp_num_layers", None):
         problems.append("cfg.model.mtp_num_layers: multi-token prediction is not supported in Bridge's loop yet")
+    problems.extend(upstream_bugs.bridge_recipe_problems(cfg))  # megatron-core's known silent bugs
     if not torch.cuda.is_available():
         backend = getattr(cfg.dist, "distributed_backend", "nccl")
         if backend != "gloo":

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig
 from megatron_pg_agg.data.feed import RolloutFeed
 from megatron_pg_agg.data.planner import policy_loss_notes
+from megatron_pg_agg.megatron import upstream_bugs
 from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp_loss
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
@@ -455,7 +456,21 @@ def argv_problems(argv: list) -> list:
         problems.append(f"--mtp-num-layers {mtp} with --position-embedding-type {shown}: Megatron-LM's multi-token "
                         "prediction needs rope or none (its argument validation asserts it on every rank); add "
                         "--position-embedding-type rope")
+    # megatron-core's known silent bugs, from the raw flags: before Megatron-LM's own validation,
+    # which (0.18+) would stop a one-process launch of TP 2 on the world size first
+    problems.extend(upstream_bugs.megatron_lm_problems(argv_namespace(argv)))
     return problems
+
+
+def argv_namespace(argv: list):
+    """The flags :func:`upstream_bugs.megatron_lm_problems` reads, from a raw command line."""
+    from types import SimpleNamespace
+
+    tp = _flag_value(argv, "--tensor-model-parallel-size") or "1"
+    return SimpleNamespace(softmax_type=_flag_value(argv, "--softmax-type"),
+                           tensor_model_parallel_size=int(tp) if tp.isdigit() else 1,  # else Megatron-LM's parser says
+                           experimental_attention_variant=_flag_value(argv, "--experimental-attention-variant"),
+                           use_megatron_fsdp="--use-megatron-fsdp" in argv)
 
 
 def run_entry(run_argv, argv: Optional[list] = None) -> int:

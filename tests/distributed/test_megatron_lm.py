@@ -405,6 +405,10 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
         {"name": "correction without rollout_logprobs",
          "argv": [*base, *LOSS, "--pg-rollout-correction", "token_truncate"]},
         {"name": "mtp with learned positions", "argv": [*base, *LOSS, "--mtp-num-layers", "1"]},
+        # megatron-core's known silent bug: attention sinks' grad norm under TP (Megatron-LM #7452,
+        # finding 8), refused from the raw flags, before Megatron-LM checks TP 2 against one process
+        {"name": "learnable sinks under TP",
+         "argv": [*base, *LOSS, "--softmax-type", "learnable", "--tensor-model-parallel-size", "2"]},
         {"name": "ok", "argv": [*base, *LOSS, "--train-iters", "1"]},
         {"name": "gspo", "argv": [*base, *LOSS, "--train-iters", "1", "--pg-policy-loss", "gspo",
                                   "--pg-loss-aggregation", "seq_mean"]},
@@ -421,7 +425,8 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
     parts = split_by_run(out)
     assert status == {"bad mode": 2, "constant without divisor": 2, "dataloader": 2,
                       "token beyond the padded vocabulary": 2, "correction without rollout_logprobs": 2,
-                      "mtp with learned positions": 2, "ok": 0, "gspo": 0, "moe": 0}, out[-20000:]
+                      "mtp with learned positions": 2, "learnable sinks under TP": 2, "ok": 0, "gspo": 0,
+                      "moe": 0}, out[-20000:]
     assert "--pg-loss-aggregation" in parts["bad mode"] and "token-median" in parts["bad mode"]
     assert "--pg-loss-aggregation-divisor" in parts["constant without divisor"]
     assert "--dataloader-type single" in parts["dataloader"] and "external" in parts["dataloader"]
@@ -430,8 +435,10 @@ def test_refusals_exit_2_before_training_naming_the_fix(checkout, work):
     assert "rollout_logprobs is missing" in parts["correction without rollout_logprobs"]
     mtp = parts["mtp with learned positions"]
     assert "--position-embedding-type learned_absolute (Megatron-LM's default)" in mtp and "AssertionError" not in mtp
+    sinks = parts["learnable sinks under TP"]
+    assert "--softmax-type learnable with --tensor-model-parallel-size 2" in sinks and "#7452" in sinks, sinks[-5000:]
     for name in ("bad mode", "constant without divisor", "dataloader", "token beyond the padded vocabulary",
-                 "correction without rollout_logprobs", "mtp with learned positions"):
+                 "correction without rollout_logprobs", "mtp with learned positions", "learnable sinks under TP"):
         assert "[pg] iteration" not in parts[name] and "iteration        1/" not in parts[name], name
     assert "[pg] iteration 1/1" in parts["ok"]  # the same flags train once the problem is gone
     assert "[pg] iteration 1/1" in parts["gspo"] and "mode=seq_mean" in parts["gspo"]

@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[3]
 def _recipe(**changes):
     cfg = SimpleNamespace(
         model=SimpleNamespace(calculate_per_token_loss=True, should_pad_vocab=False, mtp_num_layers=None,
-                              bf16=False, fp16=False),
-        train=SimpleNamespace(micro_batch_size=1), ddp=SimpleNamespace(average_in_collective=False),
+                              bf16=False, fp16=False, softmax_type="vanilla", tensor_model_parallel_size=2,
+                              experimental_attention_variant=None),
+        train=SimpleNamespace(micro_batch_size=1),
+        ddp=SimpleNamespace(average_in_collective=False, use_megatron_fsdp=False),
         validation=SimpleNamespace(eval_iters=0), dist=SimpleNamespace(distributed_backend="gloo"))
     for path, value in changes.items():
         owner, name = path.split("__")
@@ -42,6 +44,12 @@ def test_a_pg_recipe_passes():
     ({"model__mtp_num_layers": 1}, ["mtp_num_layers"]),
     ({"dist__distributed_backend": "nccl"}, ["'nccl' on a machine without CUDA"]),
     ({"model__bf16": True}, ["cfg.model.bf16 on CPU"]),
+    # megatron-core's known silent bugs (Megatron-LM #7452), by finding
+    ({"model__softmax_type": "learnable"},
+     ["cfg.model.softmax_type learnable with cfg.model.tensor_model_parallel_size 2", "finding 8"]),
+    ({"model__experimental_attention_variant": "gated_delta_net"},
+     ["cfg.model.experimental_attention_variant gated_delta_net", "finding 11"]),
+    ({"ddp__use_megatron_fsdp": True}, ["cfg.ddp.use_megatron_fsdp", "finding 12"]),
 ])
 def test_each_problem_is_named(changes, words):
     problems = pg_recipe_problems(_recipe(**changes))

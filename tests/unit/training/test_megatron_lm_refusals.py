@@ -91,3 +91,31 @@ def test_mtp_with_learned_positions_is_refused_before_megatron_lm_parses():
     for ok in (["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
                ["--mtp-num-layers", "1", "--position-embedding-type", "none"], ["--num-layers", "2"]):
         assert argv_problems(ok) == [], ok
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--softmax-type", "learnable", "--tensor-model-parallel-size", "2"],
+     ["--softmax-type learnable with --tensor-model-parallel-size 2", "#7452", "finding 8", "#7530"]),
+    (["--softmax-type=learnable", "--tensor-model-parallel-size=4"], ["--tensor-model-parallel-size 4", "finding 8"]),
+    (["--experimental-attention-variant", "gated_delta_net"],
+     ["--experimental-attention-variant gated_delta_net", "#7452", "finding 11"]),
+    (["--use-megatron-fsdp"], ["--use-megatron-fsdp", "#7452", "finding 12"]),
+])
+def test_megatron_cores_known_silent_bugs_are_refused_from_the_raw_flags(argv, needles):
+    """Megatron-LM #7452's findings our paths can meet (docs/failure-modes.md), refused before
+    Megatron-LM parses: one problem each, naming the flag, the issue and the finding."""
+    from megatron_pg_agg.training.megatron_lm import argv_problems
+
+    (problem,) = argv_problems(["--num-layers", "2", *argv])
+    for needle in needles:
+        assert needle in problem, (needle, problem)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--softmax-type", "learnable"], ["--softmax-type", "learnable", "--tensor-model-parallel-size", "1"],
+    ["--softmax-type", "off-by-one", "--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
+])
+def test_the_known_bugs_need_their_whole_combination(argv):
+    from megatron_pg_agg.training.megatron_lm import argv_problems
+
+    assert argv_problems(["--num-layers", "2", *argv]) == []
