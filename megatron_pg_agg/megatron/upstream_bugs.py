@@ -16,7 +16,7 @@ the configuration value that enables them, before any model is built:
   wrong layers at another, silently (strict load succeeds).
 
 One function, :func:`known_bug_problems`, takes the values by name, so each entry (Megatron-LM's
-parsed flags, a Bridge ``ConfigContainer``) passes what it holds and names the setting its own way.
+raw command line, a Bridge ``ConfigContainer``) passes what it holds and names the setting its own way.
 """
 from __future__ import annotations
 
@@ -56,15 +56,6 @@ MEGATRON_LM_NAMES = {"softmax_type": "--softmax-type", "tensor_model_parallel_si
                      "experimental_attention_variant": "--experimental-attention-variant",
                      "use_megatron_fsdp": "--use-megatron-fsdp"}
 """How Megatron-LM's command line names each setting."""
-
-
-def megatron_lm_problems(args) -> list:
-    """:func:`known_bug_problems` of Megatron-LM's parsed flags (absent flags: the defaults)."""
-    return known_bug_problems(
-        softmax_type=getattr(args, "softmax_type", None),
-        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
-        experimental_attention_variant=getattr(args, "experimental_attention_variant", None),
-        use_megatron_fsdp=bool(getattr(args, "use_megatron_fsdp", False)), names=MEGATRON_LM_NAMES)
 
 
 def bridge_recipe_problems(cfg) -> list:

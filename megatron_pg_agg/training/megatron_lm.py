@@ -458,19 +458,13 @@ def argv_problems(argv: list) -> list:
                         "--position-embedding-type rope")
     # megatron-core's known silent bugs, from the raw flags: before Megatron-LM's own validation,
     # which (0.18+) would stop a one-process launch of TP 2 on the world size first
-    problems.extend(upstream_bugs.megatron_lm_problems(argv_namespace(argv)))
-    return problems
-
-
-def argv_namespace(argv: list):
-    """The flags :func:`upstream_bugs.megatron_lm_problems` reads, from a raw command line."""
-    from types import SimpleNamespace
-
     tp = _flag_value(argv, "--tensor-model-parallel-size") or "1"
-    return SimpleNamespace(softmax_type=_flag_value(argv, "--softmax-type"),
-                           tensor_model_parallel_size=int(tp) if tp.isdigit() else 1,  # else Megatron-LM's parser says
-                           experimental_attention_variant=_flag_value(argv, "--experimental-attention-variant"),
-                           use_megatron_fsdp="--use-megatron-fsdp" in argv)
+    problems.extend(upstream_bugs.known_bug_problems(
+        softmax_type=_flag_value(argv, "--softmax-type"),
+        tensor_model_parallel_size=int(tp) if tp.isdigit() else 1,  # not a number: Megatron-LM's parser says so
+        experimental_attention_variant=_flag_value(argv, "--experimental-attention-variant"),
+        use_megatron_fsdp="--use-megatron-fsdp" in argv, names=upstream_bugs.MEGATRON_LM_NAMES))
+    return problems
 
 
 def run_entry(run_argv, argv: Optional[list] = None) -> int:

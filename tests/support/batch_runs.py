@@ -8,10 +8,10 @@ run only, :func:`run_environment`); rank 0 writes ``{name: exit status}``
 to RESULT.json. Each worker says how a run is made and how the next one is reset."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
+from unittest import mock
 
 
 def exit_status(main, argv: list) -> int:
@@ -23,21 +23,10 @@ def exit_status(main, argv: list) -> int:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
 
 
-@contextlib.contextmanager
 def run_environment(run: dict):
     """The run's ``"env"`` ({name: value}) set in ``os.environ`` for the run, restored after it
-    (a refused start's WORLD_SIZE, say)."""
-    changes = run.get("env") or {}
-    saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    (a refused start's WORLD_SIZE, say): a context manager."""
+    return mock.patch.dict(os.environ, run.get("env") or {})
 
 
 def announce(run: dict) -> None:
