@@ -208,35 +208,79 @@ class FuzzRun:
     refused: list = field(default_factory=list)
 
 
-def _launch(cases: list, timeout_s: float, log):
-    """One torchrun per world size; yields the rows (one per case) of each launch as it ends."""
+CASES_PER_LAUNCH = 24
+"""At most this many cases share one torchrun. Why: a process keeps every case's gloo groups
+alive, and a 1-rank launch of 207 cases (a 500-case run) died with SIGSEGV after 16 minutes."""
+
+
+def _batches(cases: list) -> list:
+    """The launches of ``cases``: by world size, at most :data:`CASES_PER_LAUNCH` each, in order."""
     by_world = {}
     for case in cases:
         by_world.setdefault(case.world, []).append(case)
-    for world, group in sorted(by_world.items()):
-        with tempfile.TemporaryDirectory() as tmp:
-            spec, out = os.path.join(tmp, "cases.json"), os.path.join(tmp, "rows.json")
-            with open(spec, "w") as f:
-                json.dump([asdict(c) for c in group], f)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-                   "-m", "megatron_pg_agg.parity.fuzz_worker", spec, out]
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            log(f"[fuzz] launching {world} rank(s): {len(group)} case(s)")
-            t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
-            try:
-                output, _ = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                output, _ = proc.communicate()
-                raise RuntimeError(f"fuzz launch ({world} ranks) timed out after {timeout_s:.0f}s:\n"
-                                   f"{output[-20000:]}") from None
-            if proc.returncode != 0 or not os.path.exists(out):
-                raise RuntimeError(f"fuzz launch ({world} ranks) failed with rc={proc.returncode}:\n{output[-20000:]}")
-            log(f"[fuzz] {world} rank(s) done in {time.monotonic() - t0:.1f}s")
-            with open(out) as f:
-                yield from json.load(f)
+    return [(world, group[i:i + CASES_PER_LAUNCH]) for world, group in sorted(by_world.items())
+            for i in range(0, len(group), CASES_PER_LAUNCH)]
+
+
+def _read_rows(path: str) -> list:
+    """The rows rank 0 wrote so far, one JSON object per line (a torn last line is dropped)."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+    return rows
+
+
+def _run_launch(world: int, group: list, timeout_s: float, log) -> tuple:
+    """One torchrun of ``group``: (the rows written, or None when the launch died; its output)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = os.path.join(tmp, "cases.json"), os.path.join(tmp, "rows.jsonl")
+        with open(spec, "w") as f:
+            json.dump([asdict(c) for c in group], f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+               "-m", "megatron_pg_agg.parity.fuzz_worker", spec, out]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        log(f"[fuzz] launching {world} rank(s): {len(group)} case(s)")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+            died = proc.returncode != 0 and f"exit code {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            died = f"no end after {timeout_s:.0f}s"
+        rows = _read_rows(out)
+        log(f"[fuzz] {world} rank(s): {len(rows)}/{len(group)} case(s) in {time.monotonic() - t0:.1f}s"
+            + (f"; the launch died ({died})" if died else ""))
+        return rows, (died or None), output
+
+
+def _launch(cases: list, timeout_s: float, log):
+    """Run ``cases``, yielding one row per case as each launch ends. A launch that dies keeps the
+    rows its cases wrote; the case it died on becomes a failed row naming the cause (the launch's
+    output tail, and the case's rerun command through its seed), and the cases after it run in
+    a new launch: nothing drawn is lost or counted twice."""
+    queue = _batches(cases)
+    while queue:
+        world, group = queue.pop(0)
+        rows, died, output = _run_launch(world, group, timeout_s, log)
+        yield from rows
+        if len(rows) >= len(group):
+            if died:  # every case wrote its row, then the launch failed on its way out
+                log(f"[fuzz] warning: the launch of {world} rank(s) died after its last case ({died})")
+            continue
+        culprit = group[len(rows)]
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        yield {"seed": culprit.seed, "case": culprit.describe(), "world": world, "passed": False,
+               "error": f"the launch died on this case ({died or 'no row written'}); its last lines:\n{tail}"}
+        if len(rows) + 1 < len(group):
+            queue.insert(0, (world, group[len(rows) + 1:]))
 
 
 def run_fuzz(n: int, seed: int, *, timeout_s: float = 1800.0, log=print, case_seeds=None) -> FuzzRun:

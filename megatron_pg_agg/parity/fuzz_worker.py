@@ -1,7 +1,7 @@
 """The torchrun side of the fuzzer: each case's reference, then its layout, compared (rank 0 writes).
 
     python -m torch.distributed.run --standalone --nproc_per_node W \\
-        -m megatron_pg_agg.parity.fuzz_worker CASES.json OUT.json
+        -m megatron_pg_agg.parity.fuzz_worker CASES.json ROWS.jsonl
 
 (:func:`megatron_pg_agg.parity.fuzz.run_fuzz` builds this command.) Every rank computes the
 float64 reference of a case (the single-device model, :func:`~megatron_pg_agg.parity.reference.
@@ -153,14 +153,16 @@ def main(argv=None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda")
     full_states = {}  # per model kind: the first reference's initialisation (the same on every rank)
-    rows = []
+    # rank 0 appends each case's row as it ends: a launch that dies keeps what it finished
+    rows = open(out, "w") if dist.get_rank() == 0 else None  # noqa: SIM115
     for case in cases:
         row = run_one(case, full_states, device)
         dist.barrier()
-        rows.append(row)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
+        if rows is not None:
+            rows.write(json.dumps(row) + "\n")
+            rows.flush()
+    if rows is not None:
+        rows.close()
     dist.destroy_process_group()
     return 0
 
