@@ -119,7 +119,7 @@ def test_a_non_finite_loss_stops_the_run_before_any_update_with_status_3(tmp_pat
     path = write_rollouts(tmp_path / "s.jsonl", _poisoned_steps("loss"))
     metrics = tmp_path / "m.jsonl"
     rc, out, _ = run(torchrun(2, TRAIN, "--rollouts", path, "--train-iters", 3, "--metrics-file", metrics),
-                     300, "poisoned run")
+                     300, "poisoned run", fresh=True)  # torchrun's own report is checked
     assert rc != 0, out[-5000:]
     assert "exitcode  : 3" in out, out[-5000:]
     assert "iteration 1 (rollout step 1): non-finite loss or gradient; nothing was updated" in out
@@ -260,7 +260,8 @@ def test_a_hung_rank_fails_the_job_after_the_distributed_timeout(tmp_path):
     Megatron's own groups (DP here: DDP's gradient all-reduce) must get that timeout too, not
     megatron-core's default of 30 minutes."""
     rc, out, _ = run(torchrun(2, *worker("hang_worker"), "--train-iters", 2, "--metrics-file", tmp_path / "m.jsonl",
-                              "--distributed-timeout-minutes", 0.05), 240, "job with a hung rank")
+                              "--distributed-timeout-minutes", 0.05), 240, "job with a hung rank",
+                     fresh=True)  # torchrun's handling of a failed and a hung rank
     assert rc != 0, out[-5000:]
     assert "rank 1 hangs before its first step" in out
     assert "3000ms" in out, out[-5000:]  # gloo names the timeout that fired: ours, not a default

@@ -32,8 +32,9 @@ def _reference(tmp_path, checkpoint, step: int, flags: list, variants=None) -> d
 def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     # --save only adds checkpoints (at 10 and 20): the training is the main job's
+    # the README's command as a user runs it: a fresh torchrun
     rc, out, elapsed = run(torchrun(2, TRAIN, "--metrics-file", metrics, "--save", ckpt, "--save-interval", 10),
-                           300, "main job")
+                           300, "main job", fresh=True)
     assert rc == 0, out[-20000:]
     progress = [line for line in out.splitlines() if line.startswith("[train] [")]
     assert len(progress) == 20, out[-5000:]

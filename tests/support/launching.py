@@ -1,16 +1,19 @@
 """Start torchrun jobs (or any command) from tests: own session, bounded time, output kept."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from megatron_pg_agg.megatron.parallel import free_port  # noqa: F401  (the one copy, re-exported for tests)
+from tests.support import fork_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,9 +70,57 @@ def kill_launch(proc: subprocess.Popen) -> None:
                 pass
 
 
-def run(cmd, timeout_s: float, what: str, *, env=None) -> tuple[int, str, float]:
+FRESH_ENV = "MEGATRON_PG_AGG_TEST_FRESH_PROCESSES"
+"""Set to ``1`` to start every test launch as a fresh process (no fork server)."""
+
+_server: dict = {}
+
+
+def _fork_server():
+    """The session's fork server (tests/support/fork_server.py): its socket path, or None when
+    it is off or did not come up (launches are then fresh)."""
+    if os.environ.get(FRESH_ENV) == "1":
+        return None
+    if "path" not in _server:
+        folder = tempfile.mkdtemp(prefix="fork_server_")
+        path, log = os.path.join(folder, "socket"), open(os.path.join(folder, "log"), "w")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.fork_server", path], cwd=ROOT,
+                                env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(proc.kill)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _server["env"] = child_env()
+        _server["path"] = path if os.path.exists(path) else None
+        if _server["path"] is None:
+            print(f"fork server did not start (exit {proc.poll()}; {log.name}): fresh processes", file=sys.stderr)
+    return _server["path"]
+
+
+def _import_time_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+
+
+def start_forked(cmd, *, env=None, cwd=ROOT):
+    """``cmd`` as a fork of the session's preloaded interpreter (a Popen-like object), or None
+    when it cannot be one (another interpreter or flag, another PYTHON*/LD_* environment, a
+    torchrun that is not ``--standalone --nproc_per_node N``): tests/support/fork_server.py."""
+    planned = fork_server.plan(cmd)
+    path = _fork_server() if planned else None
+    env = env or child_env()
+    if path is None or _import_time_env(env) != _import_time_env(_server["env"]):
+        return None
+    return fork_server.ForkedLaunch(path, cmd, planned, env, str(cwd))
+
+
+def run(cmd, timeout_s: float, what: str, *, env=None, fresh: bool = False) -> tuple[int, str, float]:
+    """Run ``cmd`` to its end (killed after ``timeout_s``): ``(exit status, output, seconds)``. A
+    Python launch is forked from the session's preloaded interpreter where it can be
+    (:func:`start_forked`); ``fresh=True`` starts a new process, for what a fork cannot show
+    (torchrun's own reports, output while importing)."""
     t0 = time.monotonic()
-    rc, out = finish(start(cmd, env=env), timeout_s, what)
+    proc = None if fresh else start_forked(cmd, env=env)
+    rc, out = finish(proc or start(cmd, env=env), timeout_s, what)
     return rc, out, time.monotonic() - t0
 
 
