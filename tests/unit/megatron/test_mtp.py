@@ -152,6 +152,54 @@ def test_control_unpatched_strength_is_off_by_the_predicted_factor(model):
     print(f"unpatched / patched MTP gradient under seq_mean: {measured:.6f} (D / W = {predicted:.6f})")
 
 
+def _short_prompt_rollouts():
+    """The fixed step with every prompt cut to 1 token (fewer than K + 1): each response's first
+    labels fall off its depth-k roll, so a microbatch's rolled count is below its count."""
+    rollouts = fixed_step()
+    for r in rollouts:
+        r.prompt_ids = list(r.prompt_ids[:1])
+    return rollouts
+
+
+@pytest.mark.skipif(not in_range(installed_megatron_core_version(), ">=0.17"),
+                    reason="process_mtp_loss and its local count ratio exist from megatron-core 0.17")
+def test_short_prompts_give_one_mtp_gradient_however_the_step_is_cut(model):
+    """Megatron-LM #7452 finding 3 (#3159): 0.17+'s process_mtp_loss scales each microbatch's
+    MTP loss by that microbatch's count / rolled count, so with prompts shorter than K + 1 tokens
+    the MTP gradient depends on how the step is cut. Under the patch one microbatch and four
+    uneven ones give the same gradient; as released (patch reverted, token_mean and no padding,
+    where the patch's step factor and roll fix change nothing) they differ by the local ratios.
+    Catches the process_mtp_loss or roll_tensor count wrapper dropped."""
+    def mtp_grads(num_microbatches: int, patched: bool):
+        plan = plan_step(_short_prompt_rollouts(), _loss_cfg("token_mean"),
+                         PlanConfig(dp_size=1, num_microbatches=num_microbatches))
+        assert len(plan.for_rank(0)) == num_microbatches
+        if not patched:
+            revert_megatron_patches()
+            apply_megatron_patches(cpu_gloo=True)
+        try:
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            if patched:
+                run_pg_step(model, plan, _loss_cfg("token_mean"), StepGroups.from_parallel_state(), dp_rank=0)
+            else:
+                from megatron_pg_agg.megatron.loss_func import make_forward_step
+
+                run_schedule(model, plan.for_rank(0), make_forward_step(_loss_cfg("token_mean"), plan.totals))
+            return _mtp_grads(model)
+        finally:
+            if not patched:
+                revert_megatron_patches()
+                apply_megatron_patches(cpu_gloo=True, mtp_loss=True)
+
+    whole, cut = mtp_grads(1, patched=True), mtp_grads(4, patched=True)
+    assert float(whole.norm()) > 0 and _rel(cut, whole) <= 1e-5, _rel(cut, whole)
+    released_whole, released_cut = mtp_grads(1, patched=False), mtp_grads(4, patched=False)
+    assert _rel(released_cut, released_whole) > 1e-3, _rel(released_cut, released_whole)
+    print(f"MTP gradient, 4 microbatches against 1: patched {_rel(cut, whole):.1e}, "
+          f"as released {_rel(released_cut, released_whole):.1e}")
+
+
 def test_padded_sequences_roll_within_their_slots(model):
     """Sequences padded to a multiple of 4 (what SP / CP / pipeline buffers do) give the
     unpadded token-mean gradient: each sequence is rolled within its padded slot. Without the
