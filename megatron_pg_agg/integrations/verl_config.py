@@ -24,6 +24,8 @@ Every problem is found at start-up and reported at once, each naming its verl ke
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import sys
 from typing import Any, Mapping, Optional
 
@@ -172,3 +174,38 @@ def loss_config_from_verl(actor: Mapping, block: Optional[Mapping]) -> PGLossCon
     except (TypeError, ValueError) as exc:
         raise VerlConfigError(f"megatron_pg_agg's verl plug-in: {exc} (keys: {BLOCK}.*, "
                               f"{ACTOR}.clip_ratio_low/high/c, entropy_coeff, kl_loss_coef)") from exc
+
+
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""The HF ``config.json`` keys that give a model's routed experts (Qwen-MoE, Mixtral, DeepSeek, ...)."""
+
+
+def _routed_experts(model_path: Any) -> Optional[int]:
+    """The routed experts of the HF model at ``model_path`` (a local folder), 0 for a dense one,
+    None when its config cannot be read here (a hub name, say)."""
+    config = os.path.join(str(model_path), "config.json") if model_path else None
+    if not config or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        found = json.load(f)
+    return max((int(found.get(k) or 0) for k in MOE_CONFIG_KEYS), default=0)
+
+
+def engine_problems(worker_config: Any) -> list:
+    """What the plug-in refuses in verl's Megatron engine settings (``actor_rollout_ref``), each
+    naming its key. Megatron-LM #7452 finding 10: with ``actor.megatron.dynamic_context_parallel``
+    verl passes a router padding mask to the model, and megatron-core 0.16 to 0.19's
+    ``get_tokens_per_expert_and_token_count`` then all-reduces the local token count in place,
+    multiplying the MoE aux-loss gradient by the TP x CP group size (fix PR #7481, open). A
+    dense model, or the default ``dynamic_context_parallel: false`` (no mask), is exact."""
+    actor = _get(worker_config, "actor")
+    megatron = _get(actor, "megatron")
+    if not _get(megatron, "dynamic_context_parallel", False):
+        return []
+    experts = _routed_experts(_get(_get(worker_config, "model"), "path"))
+    if experts == 0:
+        return []
+    model = "a MoE model" if experts else "a model whose config.json cannot be read here (MoE unknown)"
+    return [f"{ACTOR}.megatron.dynamic_context_parallel=True with {model}: verl passes a router padding mask, "
+            "and megatron-core 0.16-0.19 then multiply the MoE aux-loss gradient by the TP x CP size "
+            "(Megatron-LM #7452, finding 10; fix PR #7481). Set it to False (or train a dense model)"]

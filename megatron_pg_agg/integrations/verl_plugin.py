@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .verl_config import ACTOR, BLOCK, LOSS_MODE, _get, loss_config_from_verl
+from .verl_config import ACTOR, BLOCK, LOSS_MODE, _get, engine_problems, loss_config_from_verl
 
 _NOT_APPLIED: Optional[str] = None
 """Why the engine patch could not be applied in this process (None: applied, or not tried)."""
@@ -45,6 +45,10 @@ def worker_loss(worker_config, role: str = "actor", distillation: bool = False):
     if strategy != "megatron":
         raise VerlConfigError(f"{ACTOR}.strategy={strategy!r}: the plug-in runs in verl's Megatron engine "
                               "(strategy megatron)")
+    engine = engine_problems(worker_config)
+    if engine:
+        raise VerlConfigError("megatron_pg_agg's verl plug-in cannot run this configuration:\n  - "
+                              + "\n  - ".join(engine))
     return VerlPGLoss(loss_config_from_verl(actor, _get(worker_config, "pg_agg")))
 
 

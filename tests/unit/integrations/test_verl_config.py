@@ -5,6 +5,7 @@ tests compose verl 0.9.1's own ``ppo_megatron_trainer`` config with the lines do
 and check the plug-in is loaded by verl's own entry-point mechanism (Python 3.12 with verl; they
 skip elsewhere, and fail under MEGATRON_PG_AGG_REQUIRE_VERL=1).
 """
+import json
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ from megatron_pg_agg.integrations.verl_config import (
     ACTOR,
     BLOCK,
     VerlConfigError,
+    engine_problems,
     loss_config_from_verl,
     verl_install_problem,
 )
@@ -92,6 +94,33 @@ def test_refusals_name_the_verl_keys():
     # every problem at once
     msg = refusal(actor(use_kl_loss=True, kl_loss_type="abs"), {"mode": "mean", "colour": 1})
     assert msg.count("\n  - ") == 3, msg
+
+
+def _hf_folder(tmp_path, name, **config):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    return str(folder)
+
+
+def test_dynamic_cp_with_a_moe_model_is_refused_naming_the_key_and_the_upstream_bug(tmp_path):
+    """Megatron-LM #7452 finding 10: verl's dynamic context parallelism passes a router padding
+    mask, and megatron-core then multiplies the MoE aux-loss gradient by the TP x CP size. Refused
+    with a MoE model (Qwen3-MoE's and Mixtral's keys) or one whose config cannot be read; dense
+    models and the default (no dynamic CP, no mask) run."""
+    moe = _hf_folder(tmp_path, "moe", num_experts=8)
+    mixtral = _hf_folder(tmp_path, "mixtral", num_local_experts=4)
+    dense = _hf_folder(tmp_path, "dense", num_experts=0)
+
+    def worker(path, dynamic):
+        return {"actor": {**ACTOR_DEFAULTS, "megatron": {"dynamic_context_parallel": dynamic}}, "model": {"path": path}}
+
+    for path in (moe, mixtral, "Qwen/Qwen3-30B-A3B"):
+        (problem,) = engine_problems(worker(path, True))
+        assert f"{ACTOR}.megatron.dynamic_context_parallel=True" in problem and "#7452, finding 10" in problem
+    assert engine_problems(worker(dense, True)) == []
+    assert engine_problems(worker(moe, False)) == []
+    assert engine_problems({"actor": ACTOR_DEFAULTS, "model": {"path": moe}}) == []  # verl's default: off
 
 
 def test_install_problem_names_megatron_core_0_19(monkeypatch):
