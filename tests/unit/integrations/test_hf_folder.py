@@ -51,6 +51,9 @@ def test_a_causal_lm_folder_is_accepted_with_its_weights_and_tokenizer_files(tmp
     (lambda p: (p.mkdir(), p)[1], ["no config.json"]),
     (lambda p: _folder(p, architectures=("BertModel",)), ["not a causal LM", "BertModel"]),
     (lambda p: _folder(p, architectures=()), ["not a causal LM"]),
+    # Megatron-LM #7452 findings 6 (CrossAttention, encoder-decoder) and 7 (LLaVA): never built here
+    (lambda p: _folder(p, architectures=("T5ForConditionalGeneration",)), ["not a causal LM"]),
+    (lambda p: _folder(p, architectures=("LlavaForConditionalGeneration",)), ["not a causal LM"]),
     (lambda p: _folder(p, weights=("pytorch_model.bin",)), ["no safetensors weights", "pytorch_model.bin",
                                                             "convert them"]),
     (lambda p: _folder(p, weights=("a.safetensors",), index={"x": "a.safetensors", "y": "b.safetensors"}),

@@ -200,6 +200,19 @@ def test_short_prompts_give_one_mtp_gradient_however_the_step_is_cut(model):
           f"as released {_rel(released_cut, released_whole):.1e}")
 
 
+def test_the_mtp_layers_tensor_parallel_group_is_the_global_one(model):
+    """Megatron-LM #7452 finding 4: MTP's full recompute (fp8/fp4) communicates on
+    parallel_state's global TP group instead of the layer's own. This project builds every model
+    on the one global process grid, so the two are the same group and the finding cannot change a
+    result here. Catches a model built with a process-group collection of its own."""
+    from megatron.core import parallel_state
+
+    layers = [m for n, m in model[0].module.named_modules() if n.startswith("mtp") and getattr(m, "tp_group", None)]
+    if not layers:
+        pytest.skip("this release's MTP layers keep no TP group of their own (they use the global one)")
+    assert all(m.tp_group is parallel_state.get_tensor_model_parallel_group() for m in layers)
+
+
 def test_padded_sequences_roll_within_their_slots(model):
     """Sequences padded to a multiple of 4 (what SP / CP / pipeline buffers do) give the
     unpadded token-mean gradient: each sequence is rolled within its padded slot. Without the
