@@ -236,7 +236,7 @@ def _read_rows(path: str) -> list:
 
 
 def _run_launch(world: int, group: list, timeout_s: float, log) -> tuple:
-    """One torchrun of ``group``: (the rows written, or None when the launch died; its output)."""
+    """One torchrun of ``group``: (the rows it wrote, why it died or None, its output)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = os.path.join(tmp, "cases.json"), os.path.join(tmp, "rows.jsonl")
         with open(spec, "w") as f:

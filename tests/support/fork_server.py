@@ -40,6 +40,8 @@ import uuid
 
 from torch.distributed import TCPStore
 
+from megatron_pg_agg.megatron.parallel import free_port
+
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron_pg_agg.training.trainer", "megatron_pg_agg.parity.workers")
@@ -122,16 +124,10 @@ def _run_program(flags: list, program: list) -> None:
         runpy.run_path(program[0], run_name="__main__")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agent(nproc: int, flags: list, program: list) -> int:
     """torchrun's part: fork ``nproc`` ranks with its environment, host the agent store, wait;
     on a rank's failure stop the others. Returns 0, or 1 when a rank failed."""
-    port, run_id = _free_port(), uuid.uuid4().hex[:12]
+    port, run_id = free_port(), uuid.uuid4().hex[:12]
     ranks = {}
     for rank in range(nproc):
         pid = os.fork()
@@ -149,7 +145,7 @@ def _agent(nproc: int, flags: list, program: list) -> int:
         ranks[pid] = rank
     # the agent store, after the forks: its server runs on a thread, and a fork copies no thread
     store = TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
-    failed, deadline = {}, None
+    failed, deadline = False, None
     while ranks:
         pid, status = os.waitpid(-1, os.WNOHANG) if deadline else os.waitpid(-1, 0)
         if pid == 0:
@@ -162,7 +158,7 @@ def _agent(nproc: int, flags: list, program: list) -> int:
             continue
         rank, code = ranks.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0 and not failed:
-            failed[rank] = code
+            failed = True
             os.write(2, f"[fork_server] rank {rank} exited with {code}: stopping the other ranks\n".encode())
             for other in ranks:
                 os.kill(other, signal.SIGTERM)
