@@ -57,6 +57,23 @@ PG_FLAGS = (
 )
 
 
+PLAN_AHEAD_FLAG = ("--pg-plan-ahead", dict(
+    action=argparse.BooleanOptionalAction, default=True,
+    help="plan optimizer step k+1 on a background host thread while step k runs (default; identical "
+         "plans, a bad step's error raised at that step); --no-pg-plan-ahead: plan each step when it "
+         "starts"))
+"""The plan-ahead switch of the entries that plan the steps themselves (the trainer, Megatron-LM's
+``pretrain()`` and RL entries; :mod:`megatron_pg_agg.data.plan_ahead`). Not one of
+:data:`PG_FLAGS`: a user's own ``pretrain()`` with :func:`add_pg_agg_args` plans nothing of ours."""
+
+
+def add_plan_ahead_arg(group) -> None:
+    """Add ``--pg-plan-ahead`` / ``--no-pg-plan-ahead`` (dest ``pg_plan_ahead``, default True) to an
+    argument parser or group."""
+    flag, kwargs = PLAN_AHEAD_FLAG
+    group.add_argument(flag, **kwargs)
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 

@@ -13,7 +13,10 @@ TensorBoard; the project adds only what the objective needs:
   ``iteration mod (number of steps)`` is planned on the host (:func:`~megatron_pg_agg.data.planner.plan_step`)
   into exactly ``get_num_microbatches()`` THD microbatches per DP rank of at most ``--seq-length``
   tokens (padded to exactly ``--seq-length`` with PP > 1: Megatron-LM's p2p buffers have that
-  shape); the step weights are computed once per step before the split;
+  shape); the step weights are computed once per step before the split. Every rollout step is
+  planned once at start-up (the checks); with ``--pg-plan-ahead`` (default) those plans are
+  dropped and iteration ``i + 1`` is planned on a background thread while ``i`` runs (two plans
+  held), with ``--no-pg-plan-ahead`` the start-up plans are kept and read (:mod:`megatron_pg_agg.data.feed`);
 * the forward step and loss function of :mod:`megatron_pg_agg.megatron.loss_func` (the 3-tuple
   per-token contract that ``--calculate-per-token-loss`` turns on);
 * start-up checks that exit with status 2 listing every problem, before the first step;
@@ -46,7 +49,7 @@ from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
-from .args import add_pg_agg_args, config_from_args
+from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
 from .logs import setup_logging
 
 # megatron.* (and the modules of megatron_pg_agg.megatron, which import it) are imported inside the
@@ -120,6 +123,7 @@ def add_actor_args(parser):
                        help="append one JSON record per iteration (rank 0)")
     group.add_argument("--megatron-lm", default=None, metavar="PATH",
                        help=f"Megatron-LM checkout root (else ${ENV_CHECKOUT})")
+    add_plan_ahead_arg(group)
     parser.set_defaults(eval_iters=0, eval_interval=1000)
     return parser
 
@@ -262,7 +266,8 @@ class Actor:
             num_microbatches=get_num_microbatches(), vocab_size=args.padded_vocab_size,
             microbatch_tokens=args.seq_length if args.pipeline_model_parallel_size > 1 else None)
         feed = RolloutFeed(self.steps, self.loss_cfg, plan_cfg, dp_rank=mpu.get_data_parallel_rank(),
-                           cp_rank=mpu.get_context_parallel_rank(), pin=self.cuda)
+                           cp_rank=mpu.get_context_parallel_rank(), pin=self.cuda,
+                           plan_ahead=self.data.plan_ahead, end_iteration=args.train_iters)
         problems = feed.problems()
         if problems:
             raise StartupError(
@@ -301,6 +306,11 @@ class Actor:
             check_megatron_config(get_model_config(model), getattr(model, "ddp_config", None))
         except MegatronConfigError as err:
             raise StartupError(str(err)) from err
+
+    def close(self) -> None:
+        """The end of the run: the feed's background planning ends (a plan in flight is waited for)."""
+        if self.feed is not None:
+            self.feed.close()
 
     def step_ran(self, iteration: int) -> tuple:
         """``(plan, {record fields naming its data})`` of 0-based ``iteration``."""
@@ -395,6 +405,7 @@ def run(argv: list) -> int:
         _pretrain(release, args, actor)
     finally:
         megatron_lm_log.remove_observer(actor.on_training_log)
+        actor.close()
     return 0
 
 

@@ -27,7 +27,7 @@ from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.patches import mtp_loss
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version, release_problem
 
-from .args import add_pg_agg_args, config_from_args
+from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
 
 __all__ = [
     "CheckpointConfig",
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "runs/train_actor/metrics.jsonl)")
     train.add_argument("--tensorboard-dir", default=None, help="TensorBoard logs, if tensorboard is installed")
     train.add_argument("--log-interval", type=int, default=1)
+    add_plan_ahead_arg(train)
     add_pg_agg_args(parser)
     return parser
 
@@ -314,6 +315,10 @@ class DataConfig:
     num_microbatches: Optional[int] = None
     """Microbatches per DP rank (``--num-microbatches``, default 2 without a token cap); None: derived
     from ``max_tokens_per_microbatch`` (Megatron-LM: its own microbatch calculator)."""
+    plan_ahead: bool = True
+    """Plan step ``k + 1`` on a background host thread while step ``k`` runs (``--pg-plan-ahead``,
+    the default; ``--no-pg-plan-ahead``: each step planned when it starts). The plans are identical
+    either way (:mod:`megatron_pg_agg.data.plan_ahead`)."""
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> "DataConfig":
@@ -323,14 +328,17 @@ class DataConfig:
             rollouts=namespace.rollouts,
             max_tokens_per_microbatch=namespace.max_tokens_per_microbatch,
             num_microbatches=None if capped else (namespace.num_microbatches or DEFAULT_NUM_MICROBATCHES),
+            plan_ahead=namespace.pg_plan_ahead,
         )
 
     @classmethod
     def from_megatron_lm_args(cls, namespace: argparse.Namespace) -> "DataConfig":
         """From Megatron-LM's parsed flags (with ``megatron_lm.add_actor_args``): ``--pg-rollouts``,
         and ``--seq-length`` as the capacity of a microbatch. The count is Megatron-LM's microbatch
-        calculator's, known once it is set up (``plan_config(num_microbatches=...)``)."""
-        return cls(rollouts=namespace.pg_rollouts, max_tokens_per_microbatch=namespace.seq_length)
+        calculator's, known once it is set up (``plan_config(num_microbatches=...)``).
+        ``--pg-plan-ahead`` where the entry has it (on by default)."""
+        return cls(rollouts=namespace.pg_rollouts, max_tokens_per_microbatch=namespace.seq_length,
+                   plan_ahead=getattr(namespace, "pg_plan_ahead", True))
 
     def plan_config(self, *, dp_size: int, tp_size: int, sequence_parallel: bool, cp_size: int,
                     num_microbatches: Optional[int] = None, microbatch_tokens: Optional[int] = None,

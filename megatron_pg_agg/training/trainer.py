@@ -9,6 +9,11 @@ exists) are :mod:`megatron_pg_agg.training.run_config`: the flags are parsed onc
 One iteration = one optimizer step = one rollout step (``step`` in the JSONL). Iteration ``i``
 trains on rollout step ``i mod (number of steps)``: the data position is the iteration counter,
 saved with every checkpoint.
+
+Each step is planned when its iteration comes (nothing is kept from one step to the next). With
+``--pg-plan-ahead`` (the default) iteration ``i + 1``'s plan is built on a background host thread
+while iteration ``i`` runs (:class:`~megatron_pg_agg.data.plan_ahead.PlanAhead`, two plans held at
+most); a plan's error is raised by the iteration that needs it, as without plan-ahead.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.utils import get_model_config
 
 from megatron_pg_agg.core.losses import correction_values
+from megatron_pg_agg.data.plan_ahead import PlanAhead
 from megatron_pg_agg.data.planner import PlanConfig, padded_lengths, plan_step, policy_loss_notes, require_inputs
 from megatron_pg_agg.data.rollouts import PlanError
 from megatron_pg_agg.megatron.config_checks import check_megatron_config
@@ -133,6 +139,10 @@ class Session:
     """``torch.device("cuda")`` on GPUs, None on CPU."""
     groups: StepGroups
     """The process groups a step uses (from megatron-core's parallel state)."""
+    plans: PlanAhead
+    """The plans of iterations ``state.iteration .. train_iters - 1``, in order, each built in the
+    background while the previous one runs (``--pg-plan-ahead``) or when asked for (off);
+    :func:`train_step` takes them, :func:`close` ends it."""
 
     @property
     def experts(self) -> bool:
@@ -171,9 +181,27 @@ def setup(cfg: RunConfig) -> Session:
     log = MetricsLog(cfg.logging.metrics_file, cfg.logging.tensorboard_dir, train_cfg.train_iters,
                      enabled=rank == 0)
     _log_layout(cfg, world, backend, len(steps), state.iteration)
+    plans = PlanAhead(_iteration_planner(cfg, plan_cfg, steps, parallel_state.get_context_parallel_rank()),
+                      range(state.iteration, max(state.iteration, train_cfg.train_iters)),
+                      enabled=cfg.data.plan_ahead)
     return Session(cfg=cfg, plan_cfg=plan_cfg, steps=steps, model=model, optimizer=optimizer,
                    state=state, log=log, rank=rank, device=torch.device("cuda") if cuda else None,
-                   groups=StepGroups.from_parallel_state())
+                   groups=StepGroups.from_parallel_state(), plans=plans)
+
+
+def step_key(steps: dict, iteration: int):
+    """The rollout step iteration ``iteration`` trains on: ``sorted(steps)[iteration mod S]``."""
+    keys = sorted(steps)
+    return keys[iteration % len(keys)]
+
+
+def _iteration_planner(cfg: RunConfig, plan_cfg: PlanConfig, steps: dict, cp_rank: int):
+    """``plan(iteration)`` of this rank: its rollout step through :func:`plan_step` (looked up in
+    this module at each call, where a test may replace it)."""
+    def plan(iteration: int):
+        return plan_step(steps[step_key(steps, iteration)], cfg.loss, plan_cfg, cp_rank=cp_rank)
+
+    return plan
 
 
 def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
@@ -253,10 +281,9 @@ def train_step(s: Session) -> dict:
     """One optimizer step on rollout step ``iteration mod S``: plan -> forward-backward (the step
     runner) -> checks -> optimizer -> metrics. Returns the step's metrics record."""
     cfg, state, model = s.cfg, s.state, s.model
-    step_keys = sorted(s.steps)
-    key = step_keys[state.iteration % len(step_keys)]
+    key = step_key(s.steps, state.iteration)
     t0 = time.perf_counter()
-    plan = plan_step(s.steps[key], cfg.loss, s.plan_cfg, cp_rank=parallel_state.get_context_parallel_rank())
+    plan = s.plans.get(state.iteration)  # built while the previous step ran (--pg-plan-ahead)
     s.optimizer.zero_grad()
     result = run_pg_step(model, plan, cfg.loss, s.groups, dp_rank=parallel_state.get_data_parallel_rank(),
                          experts=s.experts, device=s.device)
@@ -313,6 +340,7 @@ def close(s: Session, record: dict) -> dict:
     log lines, and the process group."""
 
     ckpt, state = s.cfg.checkpoint, s.state
+    s.plans.close()
     if ckpt.save and not ckpt.interval_save_due(state.iteration):
         _save(s)
     if ckpt.save_hf and not ckpt.interval_save_hf_due(state.iteration):
@@ -336,14 +364,17 @@ def train(cfg: RunConfig) -> dict:
     s = setup(cfg)
     iters, interval = cfg.training.train_iters, cfg.logging.log_interval
     record = {}
-    while s.state.iteration < iters:
-        record = train_step(s)
-        if s.state.iteration % interval == 0 or s.state.iteration == iters:
-            s.log.log(record)
-        if cfg.checkpoint.interval_save_due(s.state.iteration):
-            _save(s)
-        if cfg.checkpoint.interval_save_hf_due(s.state.iteration):
-            _save_hf(s)
+    try:
+        while s.state.iteration < iters:
+            record = train_step(s)
+            if s.state.iteration % interval == 0 or s.state.iteration == iters:
+                s.log.log(record)
+            if cfg.checkpoint.interval_save_due(s.state.iteration):
+                _save(s)
+            if cfg.checkpoint.interval_save_hf_due(s.state.iteration):
+                _save_hf(s)
+    finally:  # a step that raised leaves no planning thread behind (close() ends it otherwise)
+        s.plans.close()
     return close(s, record)
 
 
