@@ -1,20 +1,22 @@
-"""Step time in Megatron-LM's own RL loop: the project's planner and loss against Megatron-LM's own
-``calculate_grpo_loss`` path, on the same replayed rollouts, in one run.
+"""Step time in Megatron-LM's own RL loop: the project's packed planner and loss against Megatron-LM's
+own path, packed (``--rl-use-sequence-packing``) and unpacked, on the same replayed rollouts.
 
     python benchmarks/bench_rl_step.py --megatron-lm PATH            # CPU, 1 process, core_v0.19.x
     torchrun --nproc_per_node 8 benchmarks/bench_rl_step.py --megatron-lm PATH --gpu   # GPU lines
 
-Both variants go through ``launch/train_rl_actor.py``'s ``main`` in this one process, in turn,
+The three variants go through ``launch/train_rl_actor.py``'s ``main`` in this one process, in turn,
 ``--repeats`` times each (interleaved, Megatron-LM's globals reset between runs), on the built-in
-replay set (ragged completions ending in eod): the same model, flags, rollouts and initial seed. An
-iteration's time is the wall time between consecutive ``training_log`` calls (a whole iteration:
-data, forward-backward, optimizer, logging; a run's first iteration, which holds its start-up, is
-not timed). Collection iterations (the first of every
-``--grpo-iterations`` x steps block: advantages, the old and reference log-prob passes, and ours
-also the planner) and the other iterations are reported apart. The ratio is median(ours) /
-median(Megatron-LM's). Prints a JSON summary (``--json FILE`` also writes it).
+replay set (ragged completions ending in eod): the same model, flags, rollouts and initial seed.
+Every collection is one optimizer step (``--global-batch-size`` = prompts x group size) trained in
+2 passes, so every variant's step trains the same tokens: the whole collection. The first
+iteration of a collection also holds advantages and the old and reference log-prob passes; the
+second is the step alone. An iteration's time is the wall time between consecutive ``training_log``
+calls (a whole iteration: data, forward-backward, optimizer, logging; a run's first iteration,
+which holds its start-up, is not timed). The ratios are median(ours) / median(Megatron-LM's) of
+the step-alone iterations; the collection iterations are in the JSON summary (``--json FILE``).
+The last line: ``rl step: ours/megatron-lm packed <ratio>, unpacked <ratio>``.
 
-On a GPU (``--gpu``): bf16, Transformer Engine's spec, NCCL; the same ratio. Not run in CI.
+On a GPU (``--gpu``): bf16, Transformer Engine's spec, NCCL; the same ratios. Not run in CI.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def model_flags(args) -> list:
             "--log-interval", "1", "--seed", "1234", "--lr", "1e-4", "--min-lr", "1e-4",
             "--lr-decay-style", "constant", "--calculate-per-token-loss",
             "--grpo-prompts-per-step", str(args.prompts), "--grpo-group-size", str(args.group_size),
-            "--global-batch-size", str(args.prompts * args.group_size // 2), "--grpo-iterations", "2",
+            "--global-batch-size", str(args.prompts * args.group_size), "--grpo-iterations", "2",
             "--train-iters", str(args.iterations), "--pg-replay-rollouts", "builtin"]
 
 
@@ -55,7 +57,7 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--iterations", type=int, default=12, help="a multiple of 4 (2 steps x 2 passes)")
+    parser.add_argument("--iterations", type=int, default=8, help="a multiple of 2 (1 step x 2 passes per collection)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -64,9 +66,11 @@ def main() -> None:
     from megatron_pg_agg.training import megatron_rl
 
     base = ["--megatron-lm", args.megatron_lm, *model_flags(args), *(GPU_FLAGS if args.gpu else CPU_FLAGS)]
-    variants = {"ours (token_mean, ppo)": [], "megatron": ["--pg-loss-source", "megatron"]}
+    variants = {"ours (packed, token_mean, ppo)": [],
+                "megatron-lm packed": ["--pg-loss-source", "megatron", "--rl-use-sequence-packing"],
+                "megatron-lm unpacked": ["--pg-loss-source", "megatron"]}
     times = {name: {"collection": [], "other": []} for name in variants}
-    per_collection = 4  # 2 optimizer steps x 2 passes
+    per_collection = 2  # 1 optimizer step x 2 passes
     stamps: list = []
 
     def on_log(event):
@@ -89,19 +93,20 @@ def main() -> None:
                 kind = "collection" if (iteration - 1) % per_collection == 0 else "other"
                 times[name][kind].append(stamp - previous)
     summary = {"device": "gpu" if args.gpu else "cpu", "config": vars(args)}
+    ours_name = next(iter(variants))
     for kind in ("collection", "other"):
         medians = {name: statistics.median(t[kind]) for name, t in times.items() if t[kind]}
-        summary[kind] = {"median_s": medians, "samples": {n: len(t[kind]) for n, t in times.items()}}
-        if len(medians) == 2:
-            ours, theirs = medians.values()
-            summary[kind]["ratio_ours_over_megatron"] = ours / theirs
+        summary[kind] = {"median_s": medians, "samples": {n: len(t[kind]) for n, t in times.items()},
+                         "ratio_ours_over": {n: medians[ours_name] / m for n, m in medians.items() if n != ours_name}}
     text = json.dumps(summary, indent=2)
     if int(os.environ.get("RANK", "0")) == 0:
         print(text)
         if args.json:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
-
+        ratios = summary["other"]["ratio_ours_over"]
+        print(f"rl step: ours/megatron-lm packed {ratios['megatron-lm packed']:.2f}, "
+              f"unpacked {ratios['megatron-lm unpacked']:.2f}")
 
 if __name__ == "__main__":
     main()

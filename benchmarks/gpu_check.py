@@ -11,6 +11,10 @@
    the kernels must move / time) against the card's (H200: about 4.8 TB/s).
 4. Transformer Engine's THD attention (``TEDotProductAttention``) against the CPU stand-in
    (``ThdDotProductAttention``) on the same packed batch; skipped, and said so, without TE.
+5. With ``--megatron-lm PATH`` (a core_v0.19.x checkout): Megatron-LM's RL loop step time, the
+   packed entry against Megatron-LM's own packed (``--rl-use-sequence-packing``) and unpacked paths
+   at equal tokens per step (:func:`rl_step_command`, ``benchmarks/bench_rl_step.py --gpu``), its
+   ``rl step:`` line in the report.
 Prints one JSON summary; exit status 1 if a check failed. On a machine without CUDA it says so
 and exits 0 without checking anything.
 """
@@ -184,11 +188,34 @@ def check_te_attention(report: dict) -> None:
     report["te_attention"] = {"max_rel_err_bf16_vs_fp32": err, "ok": err < 3e-2}
 
 
+def rl_step_command(megatron_lm: str, gpus: int) -> list:
+    """The RL step comparison on ``gpus`` GPUs (docs/performance.md): a 8-layer, 1024-hidden GPT,
+    32 prompts x 8 samples per step, bf16, Transformer Engine, NCCL."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
+            os.path.join(here, "bench_rl_step.py"), "--megatron-lm", megatron_lm, "--gpu", "--layers", "8",
+            "--hidden", "1024", "--seq-length", "1024", "--prompts", "32", "--group-size", "8"]
+
+
+def check_rl_step(report: dict, megatron_lm: str) -> None:
+    import subprocess
+
+    cmd = rl_step_command(megatron_lm, torch.cuda.device_count())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rl step:")]
+    report["rl_step"] = {"command": " ".join(cmd), "exit": proc.returncode, "line": lines[-1] if lines else None,
+                         "tail": (proc.stdout + proc.stderr)[-3000:] if proc.returncode else None}
+    if proc.returncode or not lines:
+        raise RuntimeError(f"bench_rl_step.py exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8_000_000)
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="the card's memory bandwidth, GB/s")
     parser.add_argument("--json")
+    parser.add_argument("--megatron-lm", default=None, metavar="PATH",
+                        help="a core_v0.19.x checkout: also run the RL step comparison (check 5)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device: nothing to check here"}))
@@ -198,7 +225,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name, fn in (("no_host_sync", check_no_sync), ("bf16", check_bf16),
                      ("throughput", lambda r: check_throughput(r, args.tokens, args.bandwidth_gbs)),
-                     ("te_attention", check_te_attention)):
+                     ("te_attention", check_te_attention),
+                     *((("rl_step", lambda r: check_rl_step(r, args.megatron_lm)),) if args.megatron_lm else ())):
         try:
             fn(report)
         except Exception:

@@ -9,6 +9,15 @@ WHY
       (:func:`set_collection_planner`: whole prompt groups per optimizer step, the step weights
       before the split) and, when replaying recorded rollouts, a source for the first
       (:func:`set_rollout_source`). With nothing registered each wrapper is the original.
+    * **The packed step's microbatch count.** ``train_step`` runs the schedule with
+      ``num_microbatches=get_num_microbatches()``, and the same count times the micro-batch and DP
+      sizes is what ``train()`` adds to the consumed samples and what the learning-rate schedule
+      steps by. A packed step holds ``B`` sequences in fewer THD microbatches, so one count cannot
+      serve both (Megatron-LM's own ``--rl-use-sequence-packing`` gives the schedule the bin count,
+      and its learning rate then advances by bins: Megatron-LM #3078). The RL entry keeps
+      Megatron-LM's calculator at ``B / DP`` per rank (its samples and schedule are then those of
+      the unpacked run) and registers the planned step's count for the schedule alone
+      (:func:`set_microbatch_count`).
     * **fp32_output.** ``rl_utils.get_logprobs`` calls the model with ``fp32_output=not (fp16 or
       bf16)``. Only ``Float16Module`` (the fp16/bf16 wrapper) takes that keyword; ``GPTModel.forward``
       has no such parameter. So every fp32 run (no ``--bf16``/``--fp16``: every CPU run, and a GPU
@@ -30,13 +39,16 @@ HOW (wrappers only, never a copy of an upstream function)
     * ``GPTModel.forward``: drops ``fp32_output=True`` (raises on ``fp32_output=False``, which asks
       for reduced-precision logits a bare ``GPTModel`` cannot give), then calls the original. Only
       where ``GPTModel.forward`` has no ``fp32_output`` parameter.
+    * ``megatron.training.training.get_forward_backward_func`` (``train()`` looks it up there once):
+      the schedule it returns is wrapped; with a count registered, a training call (not
+      ``forward_only``) gets ``num_microbatches`` from it, bound by name; otherwise the original.
     * ``rl_utils.rl_inference_interface_shutdown``: returns at once when the module's
       ``_INFERENCE_INTERFACE`` and ``_ROLLOUT_GENERATOR`` are both None, else calls the original.
 
 TARGETS (megatron-core >=0.19,<0.20 with Megatron-LM core_v0.19.x, the RL entry's one release)
     ``megatron.core.models.gpt.gpt_model.GPTModel.forward``, and in ``megatron.rl.rl_utils``
-    ``get_environment_rollouts``, ``prepare_data_for_update``, ``rl_inference_interface_shutdown``.
-    Any device.
+    ``get_environment_rollouts``, ``prepare_data_for_update``, ``rl_inference_interface_shutdown``;
+    ``megatron.training.training.get_forward_backward_func``. Any device.
 """
 from __future__ import annotations
 
@@ -55,9 +67,11 @@ UNSUPPORTED_REASON = ("the RL entry targets Megatron-LM's RL loop of core_v0.19.
                       "and use a core_v0.19.x checkout")
 RL_UTILS = "megatron.rl.rl_utils"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
+TRAINING = "megatron.training.training"
 
 _ROLLOUT_SOURCE: Optional[Callable] = None
 _COLLECTION_PLANNER: Optional[Callable] = None
+_MICROBATCH_COUNT: Optional[Callable[[], int]] = None
 
 
 def set_rollout_source(source: Optional[Callable]) -> None:
@@ -73,6 +87,34 @@ def set_collection_planner(planner: Optional[Callable]) -> None:
     None: Megatron-LM's."""
     global _COLLECTION_PLANNER
     _COLLECTION_PLANNER = planner
+
+
+def set_microbatch_count(count: Optional[Callable[[], int]]) -> None:
+    """``count()`` -> the microbatches (per DP rank) the next training schedule call runs: the
+    planned step's. Megatron-LM's microbatch calculator, its consumed samples and its learning-rate
+    schedule are left alone. None: the schedule gets Megatron-LM's ``get_num_microbatches()``."""
+    global _MICROBATCH_COUNT
+    _MICROBATCH_COUNT = count
+
+
+def _make_schedule_getter(original):
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+        signature = inspect.signature(schedule)
+
+        @functools.wraps(schedule)
+        def forward_backward(*a, **kw):
+            count = _MICROBATCH_COUNT
+            bound = signature.bind(*a, **kw)
+            if count is None or bound.arguments.get("forward_only"):
+                return schedule(*a, **kw)
+            bound.arguments["num_microbatches"] = count()
+            return schedule(*bound.args, **bound.kwargs)
+
+        return forward_backward
+
+    return get_forward_backward_func
 
 
 def _make_dispatch(registered: Callable[[], Optional[Callable]]):
@@ -127,5 +169,6 @@ PATCH = Patch(
         Target(RL_UTILS, "get_environment_rollouts", _make_dispatch(lambda: _ROLLOUT_SOURCE)),
         Target(RL_UTILS, "prepare_data_for_update", _make_dispatch(lambda: _COLLECTION_PLANNER)),
         Target(RL_UTILS, "rl_inference_interface_shutdown", _make_shutdown),
+        Target(TRAINING, "get_forward_backward_func", _make_schedule_getter),
     ),
 )

@@ -26,6 +26,7 @@ cross-check and the benchmark): its records hold its reduced ``lm loss`` and gra
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, meg
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
-from .args import add_pg_agg_args, config_from_args
+from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
 from .logs import setup_logging
 from .megatron_lm import (
     PG_PREFIX,
@@ -52,7 +53,7 @@ from .megatron_lm import (
     startup_problems,
     use_checkout,
 )
-from .rl_collection import CollectionPlanner, CollectionShape, RLStep, TokenizerView, shape_problems
+from .rl_collection import CollectionPlanner, CollectionShape, TokenizerView, shape_problems
 from .rl_replay import BUILTIN, ReplayError, ReplaySource, builtin_replay, load_replay
 from .run_config import StartupError
 
@@ -82,6 +83,14 @@ def add_rl_actor_args(parser):
                             "data path and calculate_grpo_loss (peer cross-check, benchmark)")
     group.add_argument("--pg-metrics-file", default=None, metavar="FILE",
                        help="append one JSON record per iteration (rank 0)")
+    group.add_argument("--pg-sequence-packing", action=argparse.BooleanOptionalAction, default=True,
+                       help="pack several whole sequences per THD microbatch (default); "
+                            "--no-pg-sequence-packing: one sequence per microbatch. Megatron-LM's "
+                            "sample counts and learning-rate schedule are those of its unpacked path either way")
+    group.add_argument("--pg-max-tokens-per-microbatch", type=int, default=None, metavar="N",
+                       help="capacity of a packed microbatch in padded tokens (default --seq-length; at least "
+                            "--seq-length, the longest trajectory; with pipeline parallelism it is --seq-length)")
+    add_plan_ahead_arg(group)
     group.add_argument("--megatron-lm", default=None, metavar="PATH", help="Megatron-LM checkout root")
     # this entry is Megatron-LM's RL loop: --perform-rl-step is on (before validate_args reads it)
     parser.set_defaults(eval_iters=0, eval_interval=1000, perform_rl_step=True)
@@ -153,12 +162,8 @@ def rl_startup_problems(args, argv: list, *, cuda: bool, megatron_core: str) -> 
     problems = startup_problems(args, cuda=cuda, megatron_core=megatron_core, mtp=False)  # MTP: below
     shape = collection_shape(args)
     problems.extend(shape_problems(shape))
-    if args.rl_use_sequence_packing:
-        problems.append(
-            "--rl-use-sequence-packing: Megatron-LM's packer sorts sequences by length across the whole "
-            "collection (groups land in arbitrary steps) and advances the learning rate by bins, not "
-            "sequences (Megatron-LM #3078); the RL entry gives every sequence its own THD microbatch, "
-            "exactly as Megatron-LM counts samples. Drop the flag.")
+    if args.pg_loss_source == "pg":
+        problems.extend(packing_problems(args, argv))
     if args.grpo_filter_groups_with_same_reward:
         problems.append("--grpo-filter-groups-with-same-reward: Megatron-LM core_v0.19 asserts it is not "
                         "supported (megatron/rl/agent/api.py); drop it.")
@@ -190,6 +195,49 @@ def rl_startup_problems(args, argv: list, *, cuda: bool, megatron_core: str) -> 
     return problems
 
 
+PACKING_FLAGS = ("--rl-sequence-packing-max-sequences-per-bin", "--rl-sequence-packing-algo")
+"""Megatron-LM's packer's own settings: the planner packs by token capacity instead."""
+
+
+def packing_problems(args, argv: list) -> list:
+    """The packing flags of a ``--pg-loss-source pg`` run. ``--rl-use-sequence-packing`` asks for
+    what the planner does by default (several sequences per THD microbatch), and is taken as that;
+    Megatron-LM's own packer is not run (``args.rl_use_sequence_packing`` is cleared, in place):
+    it sorts sequences by length across the whole collection, so groups land in arbitrary steps,
+    and its learning rate advances by bins, not sequences (Megatron-LM #3078)."""
+    problems = []
+    if args.rl_use_sequence_packing:
+        if not args.pg_sequence_packing:
+            problems.append("--rl-use-sequence-packing and --no-pg-sequence-packing contradict each other; "
+                            "give one of them")
+        args.rl_use_sequence_packing = False
+    for flag in PACKING_FLAGS:
+        if _given(argv, flag):
+            problems.append(f"{flag}: Megatron-LM's packer's setting; the RL entry packs whole sequences by "
+                            "token capacity (--pg-max-tokens-per-microbatch, default --seq-length): drop it")
+    cap = args.pg_max_tokens_per_microbatch
+    if cap is not None:
+        if not args.pg_sequence_packing:
+            problems.append(f"--pg-max-tokens-per-microbatch {cap} with --no-pg-sequence-packing: one sequence "
+                            "per microbatch has no capacity to set; drop one of them")
+        elif cap < args.seq_length:
+            problems.append(f"--pg-max-tokens-per-microbatch {cap} is below --seq-length {args.seq_length}: a "
+                            "trajectory may be --seq-length tokens and a sequence is never split; give at "
+                            f"least {args.seq_length}")
+        elif args.pipeline_model_parallel_size > 1 and cap != args.seq_length:
+            problems.append(f"--pg-max-tokens-per-microbatch {cap} with --pipeline-model-parallel-size "
+                            f"{args.pipeline_model_parallel_size}: Megatron-LM's pipeline buffers have the "
+                            f"shape --seq-length {args.seq_length}; drop the flag or raise --seq-length")
+    return problems
+
+
+def packing_capacity(args) -> Optional[int]:
+    """Padded tokens per packed microbatch, or None for one sequence per microbatch."""
+    if not args.pg_sequence_packing:
+        return None
+    return args.pg_max_tokens_per_microbatch or args.seq_length
+
+
 def collection_shape(args) -> CollectionShape:
     return CollectionShape(prompts=args.grpo_prompts_per_step, group_size=args.grpo_group_size,
                            global_batch=args.global_batch_size, passes=args.grpo_iterations)
@@ -207,21 +255,23 @@ class RLActor(Actor):
     def __init__(self, args, *, cuda: bool, loss_cfg: PGLossConfig):
         super().__init__(args, {}, cuda=cuda, loss_cfg=loss_cfg, data=None)
         self.shape = collection_shape(args)
-        self.planner = CollectionPlanner(loss_cfg, self.shape, cuda=cuda, on_step=self._on_step, items=self._items)
-        self._ran: dict = {}
+        self.planner = CollectionPlanner(loss_cfg, self.shape, cuda=cuda, items=self._items,
+                                         capacity=packing_capacity(args), plan_ahead=args.pg_plan_ahead)
 
-    def _on_step(self, iteration: int, step: RLStep) -> None:
-        self._ran[iteration] = step
-        for old in [i for i in self._ran if i < iteration - 4]:  # logged by now
-            del self._ran[old]
+    def microbatch_count(self) -> int:
+        """The schedule's microbatch count for Megatron-LM's current iteration (its step's plan)."""
+        from megatron.training import get_args
+
+        return self.planner.microbatches_at(get_args().curr_iteration)
 
     def _items(self, plan, iteration: int, dp_rank: int):
         for mb in plan.for_rank(dp_rank):
             yield PlannedMicrobatch(mb, plan.totals, iteration)
 
     def step_ran(self, iteration: int) -> tuple:
-        step = self._ran[iteration]
-        return step.plan, {"collection": step.collection, "rollout_step": step.step, "grpo_pass": step.grpo_pass}
+        step = self.planner.step_at(iteration)
+        return step.plan, {"collection": step.collection, "rollout_step": step.step, "grpo_pass": step.grpo_pass,
+                           "microbatches": step.plan.stats["microbatches_per_rank"]}
 
 
 class MegatronLossObserver:
@@ -345,6 +395,7 @@ def run(argv: list) -> int:
         observer, forward_step, planner = actor.on_training_log, actor.forward_step, actor.planner
     megatron_rl.set_rollout_source(source)
     megatron_rl.set_collection_planner(planner)
+    megatron_rl.set_microbatch_count(actor and actor.microbatch_count)
     megatron_lm_log.add_observer(observer)
     try:
         _pretrain(release, args, actor or _MegatronLossActor(forward_step))
@@ -352,6 +403,9 @@ def run(argv: list) -> int:
         megatron_lm_log.remove_observer(observer)
         megatron_rl.set_rollout_source(None)
         megatron_rl.set_collection_planner(None)
+        megatron_rl.set_microbatch_count(None)
+        if actor is not None:
+            actor.planner.close()
     return 0
 
 

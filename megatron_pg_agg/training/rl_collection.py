@@ -19,10 +19,15 @@ What changes is the step composition. With ``P`` prompts of ``G`` rollouts per c
 ``B = --global-batch-size`` sequences per optimizer step (``B`` a multiple of ``G`` and ``P * G`` a
 multiple of ``B``, checked at start-up by :func:`shape_problems`), optimizer step ``k`` of a pass is
 groups ``k * B/G .. (k+1) * B/G - 1``, whole; it is planned by
-:func:`~megatron_pg_agg.data.planner.plan_step` (the step weights before the split, THD
-microbatches) into ``B / DP`` microbatches per DP rank, one sequence each, as Megatron-LM's own
-unpacked path counts them (so its learning-rate schedule and sample counts stay right). The
-``--grpo-iterations`` passes repeat the steps in order with the collection's old log-probs.
+:func:`~megatron_pg_agg.data.planner.plan_step` (the step weights before the split) into THD
+microbatches: packed (the default), as many whole sequences per microbatch as its capacity holds
+(``--pg-max-tokens-per-microbatch``, default ``--seq-length``), token-balanced across DP ranks and
+microbatches, with as few microbatches as the capacity allows (the same count on every DP rank);
+or, with ``--no-pg-sequence-packing``, ``B / DP`` microbatches per DP rank of one sequence each.
+Either way Megatron-LM's microbatch calculator stays at ``B / DP`` sequences per rank, so its
+consumed samples and learning-rate schedule are those of its unpacked path; the schedule alone
+runs the planned count (``patches.megatron_rl.set_microbatch_count``). The ``--grpo-iterations``
+passes repeat the steps in order with the collection's old log-probs.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.plan_ahead import PlanAhead
 from megatron_pg_agg.data.planner import PlanConfig, StepPlan, plan_step
 from megatron_pg_agg.data.rollouts import RolloutBatch
 
@@ -147,14 +153,43 @@ class RLStep:
 class CollectionPlanner:
     """``prepare_data_for_update`` of the RL entry (see the module docstring).
 
-    ``on_step(iteration, RLStep)`` is told of each step as its first microbatch is handed out;
-    ``items(step, iteration)`` makes a step's microbatch items for the forward step."""
+    ``items(plan, iteration, dp_rank)`` makes a step's microbatch items for the forward step;
+    ``capacity``: the padded tokens one packed microbatch may hold, or None for one sequence per
+    microbatch. :meth:`step_at` names the step of a 0-based iteration of the current collection."""
 
-    def __init__(self, loss_cfg: PGLossConfig, shape: CollectionShape, *, cuda: bool, on_step, items):
+    def __init__(self, loss_cfg: PGLossConfig, shape: CollectionShape, *, cuda: bool, items,
+                 capacity: Optional[int], plan_ahead: bool = True):
         self.loss_cfg, self.shape, self.cuda = loss_cfg, shape, cuda
-        self.on_step, self.items = on_step, items
+        self.items, self.capacity = items, capacity
+        self.plan_ahead = plan_ahead
+        """Plan step ``k + 1`` of a collection on a host thread while step ``k`` runs
+        (:class:`~megatron_pg_agg.data.plan_ahead.PlanAhead`); False: each step when it starts."""
         self.collections = 0
         self._cpu_reference: Optional[dict] = None
+        self._first_iteration = 0  # Megatron-LM's 0-based iteration of the current collection's first step
+        self._plans: list = []  # the current collection's step plans, filled as the steps are reached
+        self._ahead: Optional[PlanAhead] = None
+
+    def step_at(self, iteration: int) -> RLStep:
+        """The step Megatron-LM's 0-based ``iteration`` trains (of the current collection). The
+        first pass plans each step when first asked (its plan was built in the background while the
+        step before it ran); a plan's error is raised here, at the step that needs it."""
+        offset = iteration - self._first_iteration
+        if not 0 <= offset < self.shape.steps * self.shape.passes:
+            raise KeyError(f"iteration {iteration} is not one of collection {self.collections - 1}'s")
+        k, grpo_pass = offset % self.shape.steps, offset // self.shape.steps
+        if self._plans[k] is None:
+            self._plans[k] = self._ahead.get(k)
+        return RLStep(self._plans[k], self.collections - 1, k, grpo_pass)
+
+    def close(self) -> None:
+        """Stop planning ahead (waits for a plan in flight); at the end of a run."""
+        if self._ahead is not None:
+            self._ahead.close()
+
+    def microbatches_at(self, iteration: int) -> int:
+        """Microbatches per DP rank of ``iteration``'s step (the schedule's count)."""
+        return self.step_at(iteration).plan.stats["microbatches_per_rank"]
 
     def plan_config(self) -> PlanConfig:
         from megatron.core import parallel_state as mpu
@@ -162,11 +197,14 @@ class CollectionPlanner:
 
         args = get_args()
         dp = mpu.get_data_parallel_world_size()
+        packed = self.capacity is not None
         return PlanConfig(
-            dp_size=dp, num_microbatches=self.shape.global_batch // dp, tp_size=args.tensor_model_parallel_size,
+            dp_size=dp, num_microbatches=None if packed else self.shape.global_batch // dp,
+            tp_size=args.tensor_model_parallel_size,
             sequence_parallel=args.sequence_parallel, cp_size=args.context_parallel_size,
-            vocab_size=args.padded_vocab_size, max_tokens_per_microbatch=args.seq_length,
-            microbatch_tokens=args.seq_length if args.pipeline_model_parallel_size > 1 else None)
+            vocab_size=args.padded_vocab_size, max_tokens_per_microbatch=self.capacity if packed else args.seq_length,
+            # pipeline p2p buffers have one shape: every microbatch padded to it
+            microbatch_tokens=(self.capacity or args.seq_length) if args.pipeline_model_parallel_size > 1 else None)
 
     def __call__(self, *, model, ref_state_dict, rollouts, tokenizer, sequence_packing: bool, is_correction: bool):
         from megatron.core import parallel_state as mpu
@@ -219,7 +257,12 @@ class CollectionPlanner:
                                advantages=advantages,
                                old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout_lp, shape=self.shape)
         plan_cfg = self.plan_config()
-        plans = [plan_step(b, self.loss_cfg, plan_cfg, cp_rank=mpu.get_context_parallel_rank()) for b in batches]
+        cp_rank = mpu.get_context_parallel_rank()
+        if self._ahead is not None:
+            self._ahead.close()  # the previous collection's (every step of it was planned by now)
+        self._ahead = PlanAhead(lambda k: plan_step(batches[k], self.loss_cfg, plan_cfg, cp_rank=cp_rank),
+                                range(len(batches)), enabled=self.plan_ahead, name="pg-rl-plan-ahead")
+        self._plans = [None] * len(batches)
         rl_utils.get_rl_runtime_state().packing_context = None
         reconfigure_num_microbatches_calculator(
             rank=torch.distributed.get_rank(), rampup_batch_size=None, global_batch_size=self.shape.global_batch,
@@ -227,15 +270,16 @@ class CollectionPlanner:
             data_parallel_size=mpu.get_data_parallel_world_size())
         collection = self.collections
         self.collections += 1
-        first_iteration = args.curr_iteration  # Megatron-LM's 0-based iteration that asked for data
+        self._first_iteration = args.curr_iteration  # Megatron-LM's 0-based iteration that asked for data
         if torch.distributed.get_rank() == 0:
+            packing = (f"microbatches of at most {self.capacity} tokens" if self.capacity
+                       else "one sequence per microbatch")
             logger.info(f"collection {collection}: {len(groups)} groups x {self.shape.group_size} -> "
                         f"{self.shape.steps} optimizer steps of {self.shape.groups_per_step} whole groups "
-                        f"x {self.shape.passes} passes (mode {self.loss_cfg.mode}, step weights "
-                        + ", ".join(str(p.totals.pg_weight) for p in plans) + ")")
+                        f"x {self.shape.passes} passes (mode {self.loss_cfg.mode}, {packing})")
         from megatron.core.rerun_state_machine import RerunDataIterator
 
-        items = self._microbatches(plans, collection, first_iteration, mpu.get_data_parallel_rank())
+        items = self._microbatches(self._first_iteration, mpu.get_data_parallel_rank())
         return RerunDataIterator(items), group_stats, example_groups
 
     def _check_groups(self, groups: list) -> None:
@@ -252,12 +296,9 @@ class CollectionPlanner:
                 "(each rollout one sequence); a multi-turn environment needs Megatron-LM's own loss "
                 "(--pg-loss-source megatron)")
 
-    def _microbatches(self, plans: list, collection: int, iteration: int, dp_rank: int) -> Iterator:
-        for grpo_pass in range(self.shape.passes):
-            for k, plan in enumerate(plans):
-                self.on_step(iteration, RLStep(plan, collection, k, grpo_pass))
-                yield from self.items(plan, iteration, dp_rank)
-                iteration += 1
+    def _microbatches(self, first_iteration: int, dp_rank: int) -> Iterator:
+        for iteration in range(first_iteration, first_iteration + self.shape.steps * self.shape.passes):
+            yield from self.items(self.step_at(iteration).plan, iteration, dp_rank)
 
 
 def _host_copy(state: dict) -> dict:

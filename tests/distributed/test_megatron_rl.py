@@ -50,8 +50,8 @@ EPS, KL_BETA, DIVISOR = 0.01, 0.001, 32.0
 MODES = {"token_mean": [], "seq_mean": [], "prompt_mean": [],
          "constant": ["--pg-loss-aggregation-divisor", str(DIVISOR)]}
 POLICY_LOSSES = ("ppo", "gspo", "gmpo", "cispo")
-LAYOUTS = {
-    "DP1x4mb": (1, []),
+LAYOUTS = {  # packed THD microbatches (the default) on every layout; DP1 also one sequence per microbatch
+    "DP1": (1, []),
     "DP2": (2, []),
     "TP2": (2, ["--tensor-model-parallel-size", "2"]),
     "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
@@ -122,6 +122,11 @@ def _batch(work: Path, name: str, nproc: int, runs: list) -> tuple:
     return json.loads(result.read_text()), out
 
 
+LR_SCHEDULE = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--lr-decay-iters", "7",
+               "--min-lr", "0.005", "--train-iters", str(2 * ITERS), "--seq-length", "128"]
+"""A warm-up and a cosine decay over two collections: Megatron-LM's schedule steps by the samples
+``train()`` counts, so a wrong count shows as another learning rate (Megatron-LM #3078). At
+``--seq-length 128`` two of these sequences fit one microbatch, for Megatron-LM's packer too."""
 IS_CORRECTION = ["--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef", "1.2"]
 WHOLE = ["--global-batch-size", str(GROUPS * GROUP_SIZE), "--train-iters", str(PASSES)]
 """One optimizer step per collection: Megatron-LM's own loop then composes the same step on every
@@ -140,16 +145,24 @@ def layout_runs(checkout, work, replay, initial_checkpoint) -> dict:
         for mode, extra in MODES.items():
             for policy in POLICY_LOSSES:
                 runs[(mode, policy)] = ["--pg-loss-aggregation", mode, *extra, "--pg-policy-loss", policy]
-        if layout in ("DP1x4mb", "DP2"):
+        if layout in ("DP1", "DP2"):
             runs["megatron"] = ["--pg-loss-source", "megatron"]
             runs["megatron-whole"] = ["--pg-loss-source", "megatron", *WHOLE]
             runs["ours-whole"] = WHOLE
-        if layout == "DP1x4mb":  # Megatron-LM's IS correction, translated, against its own
+        if layout == "DP1":  # Megatron-LM's IS correction, translated, against its own
             runs["megatron-is"] = ["--pg-loss-source", "megatron", *IS_CORRECTION]
             runs["ours-is"] = IS_CORRECTION
+            for mode, extra in MODES.items():  # one sequence per microbatch: Megatron-LM's unpacked shape
+                runs[("unpacked", mode)] = ["--no-pg-sequence-packing", "--pg-loss-aggregation", mode, *extra]
+            runs["rl-packing-flag"] = ["--rl-use-sequence-packing"]
+            runs["no-plan-ahead"] = ["--no-pg-plan-ahead"]
         if layout == "DP2":
             runs["ours-tensorboard"] = ["--pg-loss-aggregation", "prompt_mean", "--tensorboard-dir",
                                         str(work / "tensorboard")]
+            runs["lr-ours"] = LR_SCHEDULE
+            runs["lr-ours-unpacked"] = ["--no-pg-sequence-packing", *LR_SCHEDULE]
+            runs["lr-megatron"] = ["--pg-loss-source", "megatron", *LR_SCHEDULE]
+            runs["lr-megatron-packed"] = ["--pg-loss-source", "megatron", "--rl-use-sequence-packing", *LR_SCHEDULE]
         names = {key: "-".join(key) if isinstance(key, tuple) else key for key in runs}
         specs = [{"name": names[key], "argv": _rl_argv(checkout, initial_checkpoint, replay[0],
                                                        work / f"{layout}-{names[key]}.jsonl", *flags, *extra)}
@@ -164,10 +177,10 @@ def test_every_layout_gives_the_same_objective_and_grad_norm_in_every_mode_and_p
     """DP=2, TP=2 and PP=2 against one rank with 4 microbatches, every iteration (both passes over
     the collection: the second pass has ratios away from 1 and clipping)."""
     worst = {}
-    base = layout_runs["DP1x4mb"]
+    base = layout_runs["DP1"]
     for layout in ("DP2", "TP2", "PP2"):
         for key, records in layout_runs[layout].items():
-            if not isinstance(key, tuple):
+            if not isinstance(key, tuple) or key[0] == "unpacked":
                 continue
             want = base[key]
             assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), (layout, key)
@@ -179,9 +192,52 @@ def test_every_layout_gives_the_same_objective_and_grad_norm_in_every_mode_and_p
     print("worst (objective, grad norm) relative error per layout:", worst)
 
 
+def test_packed_steps_equal_one_sequence_per_microbatch(layout_runs):
+    """The packed THD microbatches (several whole sequences each, fewer microbatches) give the
+    objective, grad norm and weights of one sequence per microbatch at every iteration, in every mode."""
+    dp1 = layout_runs["DP1"]
+    for mode in MODES:
+        packed, unpacked = dp1[(mode, "ppo")], dp1[("unpacked", mode)]
+        assert len(packed) == len(unpacked) == ITERS, mode
+        for got, ref in zip(packed, unpacked):
+            assert _objective_err(got["objective"], ref["objective"]) < 1e-6, (mode, got, ref)
+            assert _rel(got["grad_norm"], ref["grad_norm"]) < 1e-6, (mode, got, ref)
+            assert (got["weight"], got["valid_tokens"]) == (ref["weight"], ref["valid_tokens"]), mode
+            assert ref["microbatches"] == BATCH and got["microbatches"] < BATCH, (mode, got, ref)
+
+
+def test_megatron_lms_packing_flag_is_the_planners_packing(layout_runs):
+    """``--rl-use-sequence-packing`` is taken as the planner's packing (whole groups per step, the
+    unpacked run's sample counts), not Megatron-LM's packer: the records equal the default run's."""
+    assert layout_runs["DP1"]["rl-packing-flag"] == layout_runs["DP1"][("token_mean", "ppo")]
+
+
+def test_planning_the_next_step_in_the_background_changes_no_number(layout_runs):
+    """Step k + 1 planned on a host thread while step k runs (the default) against every step
+    planned when it starts (``--no-pg-plan-ahead``): the same records, to the bit."""
+    assert layout_runs["DP1"]["no-plan-ahead"] == layout_runs["DP1"][("token_mean", "ppo")]
+
+
+def test_the_learning_rate_of_every_iteration_is_the_unpacked_runs(layout_runs):
+    """Megatron-LM #3078: its own packing hands the schedule the bin count, so its learning rate
+    (warm-up and cosine decay, which step by counted samples) advances by bins. The packed entry
+    keeps Megatron-LM's sample count: at every iteration its learning rate equals that of the same
+    run with one sequence per microbatch and that of Megatron-LM's own unpacked path."""
+    dp2 = layout_runs["DP2"]
+    ours, unpacked, theirs = (dp2[k] for k in ("lr-ours", "lr-ours-unpacked", "lr-megatron"))
+    assert len(ours) == len(unpacked) == len(theirs) == 2 * ITERS
+    lrs = [[r["learning_rate"] for r in records] for records in (ours, unpacked, theirs)]
+    assert lrs[0] == lrs[1] == lrs[2], lrs
+    assert len(set(lrs[0])) > ITERS  # the schedule moves at (nearly) every iteration here
+    assert any(r["microbatches"] < BATCH // 2 for r in ours)  # packed: fewer microbatches than sequences
+    # control: Megatron-LM's own packed path gives other rates on the same run (the trap is real here)
+    packed = [r["learning_rate"] for r in dp2["lr-megatron-packed"]]
+    assert len(packed) == 2 * ITERS and packed != lrs[0], (packed, lrs[0])
+
+
 def test_the_modes_differ_on_this_data(layout_runs):
     """Control for the agreement above: the modes give different first-step objectives here."""
-    first = {mode: layout_runs["DP1x4mb"][(mode, "ppo")][0]["objective"] for mode in MODES}
+    first = {mode: layout_runs["DP1"][(mode, "ppo")][0]["objective"] for mode in MODES}
     values = sorted(first.values())
     assert min(b - a for a, b in zip(values, values[1:])) > 1e-4, first
 
@@ -219,7 +275,7 @@ def test_first_step_equals_the_independent_float64_reference(layout_runs, replay
         for key, records in runs.items():
             if not isinstance(key, tuple):
                 continue
-            mode, policy = key
+            mode, policy = (key[1], "ppo") if key[0] == "unpacked" else key
             want = reference_record(rollouts, current, LossNumbers(
                 mode=mode, policy=policy, eps_low=EPS, eps_high=EPS, divisor=DIVISOR if mode == "constant" else None,
                 kl_coef=KL_BETA))
@@ -252,8 +308,8 @@ def test_token_mean_ppo_equals_megatron_lms_own_loss_on_the_same_rollouts(layout
     at every iteration wherever both compose the same steps: on one rank (2 steps x 2 passes), and
     with one step per collection on one rank and on DP=2. No sequence here lacks a valid token, so
     Megatron-LM's count of 1 per empty microbatch does not arise."""
-    _same_as_megatron(layout_runs["DP1x4mb"][("token_mean", "ppo")], layout_runs["DP1x4mb"]["megatron"], "DP1")
-    for layout in ("DP1x4mb", "DP2"):
+    _same_as_megatron(layout_runs["DP1"][("token_mean", "ppo")], layout_runs["DP1"]["megatron"], "DP1")
+    for layout in ("DP1", "DP2"):
         _same_as_megatron(layout_runs[layout]["ours-whole"], layout_runs[layout]["megatron-whole"], layout)
 
 
@@ -261,9 +317,9 @@ def test_megatron_lms_is_correction_translated_equals_its_own(layout_runs):
     """``--rl-inference-logprobs-is-correction --rl-importance-sampling-truncation-coef 1.2`` become
     the project's token_truncate correction with cap 1.2: the same objective and gradients as
     Megatron-LM's own truncated IS weights on the replayed inference log-probs."""
-    ours, theirs = layout_runs["DP1x4mb"]["ours-is"], layout_runs["DP1x4mb"]["megatron-is"]
+    ours, theirs = layout_runs["DP1"]["ours-is"], layout_runs["DP1"]["megatron-is"]
     _same_as_megatron(ours, theirs, "IS correction")
-    plain = layout_runs["DP1x4mb"][("token_mean", "ppo")]
+    plain = layout_runs["DP1"][("token_mean", "ppo")]
     assert _objective_err(ours[0]["objective"], plain[0]["objective"]) > 1e-3  # the correction acts here
     assert 0 < ours[0]["correction_truncated"] < 1  # the cap acts on some tokens
 
@@ -288,7 +344,7 @@ def test_megatron_lms_own_steps_depend_on_the_dp_size_and_ours_do_not(layout_run
     rank's first rows of its contiguous slice), its DP=1 groups 0 and 1: another objective from the
     same rollouts and weights. The project's steps are whole groups in collection order on every
     layout (the DP1 and DP2 records agree, test above)."""
-    dp1, dp2 = layout_runs["DP1x4mb"]["megatron"][0], layout_runs["DP2"]["megatron"][0]
+    dp1, dp2 = layout_runs["DP1"]["megatron"][0], layout_runs["DP2"]["megatron"][0]
     assert _objective_err(dp2["lm loss"], dp1["lm loss"]) > 1e-3, (dp1, dp2)
     ours = layout_runs["DP2"][("token_mean", "ppo")][0]
     assert _objective_err(ours["objective"], dp1["lm loss"]) < 1e-6, (ours, dp1)
@@ -297,9 +353,9 @@ def test_megatron_lms_own_steps_depend_on_the_dp_size_and_ours_do_not(layout_run
 def test_megatron_lms_loss_differs_from_ours_where_the_modes_differ(layout_runs):
     """Control: Megatron-LM's own loss is a token mean; on this ragged data seq_mean and
     prompt_mean give other objectives and gradients already at the first step."""
-    theirs = layout_runs["DP1x4mb"]["megatron"][0]
+    theirs = layout_runs["DP1"]["megatron"][0]
     for mode in ("seq_mean", "prompt_mean"):
-        ours = layout_runs["DP1x4mb"][(mode, "ppo")][0]
+        ours = layout_runs["DP1"][(mode, "ppo")][0]
         assert _objective_err(ours["objective"], theirs["lm loss"]) > 1e-3, (mode, ours, theirs)
         assert _rel(ours["grad_norm"], theirs["grad_norm"]) > 1e-3, (mode, ours, theirs)
 
@@ -309,7 +365,9 @@ REFUSALS = {
     "group straddles steps": (["--grpo-group-size", "4", "--global-batch-size", "6", "--grpo-prompts-per-step", "3"],
                               "--global-batch-size 6 is not a multiple of --grpo-group-size 4"),
     "collection not whole steps": (["--grpo-prompts-per-step", "3"], "not a multiple of --global-batch-size 4"),
-    "sequence packing": (["--rl-use-sequence-packing"], "#3078"),
+    "packing on and off": (["--rl-use-sequence-packing", "--no-pg-sequence-packing"], "contradict each other"),
+    "capacity below a trajectory": (["--pg-max-tokens-per-microbatch", "32"], "below --seq-length 64"),
+    "megatron-lm's packer": (["--rl-sequence-packing-algo", "fifo"], "Megatron-LM's packer's setting"),
     "entropy term": (["--grpo-entropy-term-weight", "0.1"], "--pg-entropy-coef"),
     "truncation without correction": (["--rl-importance-sampling-truncation-coef", "2"],
                                       "without --rl-inference-logprobs-is-correction"),

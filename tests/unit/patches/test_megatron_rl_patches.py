@@ -60,6 +60,32 @@ def test_a_registered_function_gets_every_argument_by_name(monkeypatch):
     assert got == dict(model=1, ref_state_dict=2, rollouts=3, tokenizer=4, sequence_packing=False, is_correction=True)
 
 
+def _schedule_calls():
+    calls = []
+
+    def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                                       micro_batch_size, forward_only=False):
+        calls.append((num_microbatches, forward_only))
+        return []
+
+    return calls, megatron_rl._make_schedule_getter(lambda: forward_backward_no_pipelining)()
+
+
+def test_the_training_schedule_runs_the_registered_microbatch_count(monkeypatch):
+    """Megatron-LM's train_step passes get_num_microbatches() (B / DP sequences): with a count
+    registered, the schedule runs the packed step's microbatches instead."""
+    monkeypatch.setattr(megatron_rl, "_MICROBATCH_COUNT", None)
+    calls, schedule = _schedule_calls()
+    kw = dict(forward_step_func=None, data_iterator=None, model=[], seq_length=64, micro_batch_size=1)
+    schedule(num_microbatches=8, **kw)
+    megatron_rl.set_microbatch_count(lambda: 3)
+    schedule(num_microbatches=8, **kw)
+    schedule(num_microbatches=8, forward_only=True, **kw)  # log-prob and eval passes keep theirs
+    megatron_rl.set_microbatch_count(None)
+    schedule(num_microbatches=8, **kw)
+    assert calls == [(8, False), (3, False), (8, True), (8, False)]
+
+
 @pytest.mark.skipif(not RL_RELEASE, reason=f"the megatron_rl patch supports megatron-core {megatron_rl.SUPPORTED} "
                                            f"(installed {installed_megatron_core_version()})")
 def test_applied_to_megatron_lm_core_v0_19_and_reverted(megatron_lm_on_path):
@@ -78,6 +104,9 @@ def test_applied_to_megatron_lm_core_v0_19_and_reverted(megatron_lm_on_path):
         assert GPTModel.forward.__wrapped__ is original
         for name in ("get_environment_rollouts", "prepare_data_for_update", "rl_inference_interface_shutdown"):
             assert getattr(getattr(rl_utils, name), MARKER) == "megatron_rl", name
+        from megatron.training import training
+
+        assert getattr(training.get_forward_backward_func, MARKER) == "megatron_rl"
         rl_utils.rl_inference_interface_shutdown()  # nothing started: returns (the original would os._exit)
     finally:
         revert_megatron_patches()
