@@ -2,14 +2,20 @@
 
     python benchmarks/bench_planner.py                 # 1M and 8M response tokens, groups of 8 and 16
     python benchmarks/bench_planner.py --tokens 1 --reps 3
+    python benchmarks/bench_planner.py --glibc-default # without the launcher's malloc setting
 
 One step of N responses (4096 per 1M response tokens; lengths log-normal, median 180, clipped to
 32..4096; prompts 16..128 tokens) is planned into DP=8 ranks x 16 microbatches: validation,
 canonical group order, padding, ``token_weights`` for the whole step, bin assignment, the gather
-into packed microbatches. Goals: under 100 ms for 1M tokens, time linear in tokens,
-token balance (max/mean) at most 1.05 across ranks and microbatches when no sequence exceeds a
-bin's share. Baseline: plain first-fit-decreasing into bins of capacity ceil(total / bins),
-overflow to the lightest bin.
+into packed microbatches. Goals: at most 80 ms for 1M tokens, time linear in tokens (8M at
+most 8.5x the 1M time), token balance (max/mean) at most 1.05 across ranks and microbatches when
+no sequence exceeds a bin's share. Baseline: plain first-fit-decreasing into bins of capacity
+ceil(total / bins), overflow to the lightest bin.
+
+By default the process first applies the launcher's malloc setting
+(``megatron_pg_agg.training.worker_process.keep_freed_memory``), as training does. The last line
+is the summary ``planner: 1M <ms> ms; 8M/1M <ratio>``: the median plan time over every
+repetition of every group size at 1M response tokens, and the 8M median over it.
 """
 from __future__ import annotations
 
@@ -67,15 +73,20 @@ def balance(bins: list, lengths: list) -> tuple[float, float]:
     return max(loads) / mean, max(ranks) / (sum(ranks) / DP)
 
 
-def median_ms(fn, reps: int) -> float:
+def timed_ms(fn, reps: int) -> list:
+    """Milliseconds of ``reps`` calls, after warm-up calls."""
     for _ in range(3):  # warm-up to the steady state of a training loop, which plans every step
         fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def median_ms(fn, reps: int) -> float:
+    return statistics.median(timed_ms(fn, reps))
 
 
 def main(argv=None):
@@ -84,23 +95,27 @@ def main(argv=None):
     parser.add_argument("--groups", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc malloc at its defaults instead of the launcher's setting")
     parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="tune glibc malloc as launch/train_actor.py does (megatron_pg_agg.training.worker_process.keep_freed_memory)")
+                        help="the launcher's malloc setting (the default; kept for old command lines)")
     args = parser.parse_args(argv)
-    if args.keep_freed_memory:
+    if not args.glibc_default:
         from megatron_pg_agg.training.worker_process import keep_freed_memory
 
-        keep_freed_memory()
-    print(f"glibc malloc: {'tuned (keep freed memory)' if args.keep_freed_memory else 'default'}", flush=True)
+        keep_freed_memory()  # as launch/train_actor.py does
+    print(f"glibc malloc: {'default' if args.glibc_default else 'launcher setting (keep_freed_memory)'}", flush=True)
     cfg = PGLossConfig(mode="prompt_mean")
     plan_cfg = PlanConfig(dp_size=DP, num_microbatches=MICROBATCHES)
-    rows = []
+    rows, plan_times = [], {}
     for millions in args.tokens:
         for group in args.groups:
             batch = make_batch(millions, group)
             plan = plan_step(batch, cfg, plan_cfg)
             padded = (batch.prompt_lengths + batch.response_lengths).tolist()  # pad multiple 1
-            ours_ms = median_ms(lambda: plan_step(batch, cfg, plan_cfg), args.reps)
+            times = timed_ms(lambda: plan_step(batch, cfg, plan_cfg), args.reps)
+            plan_times.setdefault(millions, []).extend(times)
+            ours_ms = statistics.median(times)
             lpt_ms = median_ms(lambda: _lpt_bins(padded, DP * MICROBATCHES), args.reps)
             ffd_ms = median_ms(lambda: ffd_bins(padded, DP * MICROBATCHES), args.reps)
             ours_mb, ours_rank = balance(_lpt_bins(padded, DP * MICROBATCHES), padded)
@@ -132,6 +147,9 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    medians = {m: statistics.median(t) for m, t in plan_times.items()}
+    if 1 in medians and 8 in medians:  # the summary: last line
+        print(f"planner: 1M {medians[1]:.1f} ms; 8M/1M {medians[8] / medians[1]:.1f}")
 
 
 if __name__ == "__main__":

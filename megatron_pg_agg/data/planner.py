@@ -38,7 +38,7 @@ import torch
 from megatron_pg_agg.core.aggregation import TokenWeights, token_weights
 from megatron_pg_agg.core.context_parallel import cp_partition_index
 from megatron_pg_agg.core.losses import PGLossConfig, StepTotals
-from megatron_pg_agg.core.segments import exclusive_cumsum, running_sums, segment_ids, segment_of
+from megatron_pg_agg.core.segments import exclusive_cumsum, running_sums, segment_ids
 
 from .rollouts import PlanError, RolloutBatch
 
@@ -173,12 +173,15 @@ def padded_lengths(batch: RolloutBatch, plan_cfg: PlanConfig, *, step=None) -> t
 
 def _lpt_bins(lengths: list, num_bins: int) -> list:
     """Longest-first onto the lightest bin; ties broken by index, so the result is deterministic."""
-    heap = [(0, b) for b in range(num_bins)]
+    # The heap holds each bin's (load, bin) as the one int load * num_bins + bin: the same order as
+    # the pair (bin < num_bins), and ints compare and allocate faster than tuples. The stable sort
+    # keeps equal lengths in index order, also with reverse=True, without a tuple key per sequence.
+    heap = list(range(num_bins))
     bins = [[] for _ in range(num_bins)]
-    for idx in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        load, b = heapq.heappop(heap)
-        bins[b].append(idx)
-        heapq.heappush(heap, (load + lengths[idx], b))
+    for idx in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+        key = heap[0]  # the lightest bin
+        bins[key % num_bins].append(idx)
+        heapq.heapreplace(heap, key + lengths[idx] * num_bins)
     return [sorted(b) for b in bins]
 
 
@@ -257,6 +260,9 @@ class CanonicalOrder:
     """int64 ``[N+1]``: offsets of the prompts in ``batch.prompt_tokens``."""
     r_start: torch.Tensor
     """int64 ``[N+1]``: offsets of the responses in the response-token arrays."""
+    identity: bool = False
+    """The rollouts are already in canonical order (``order`` is ``0..N-1``: groups arrive
+    consecutive, the usual case), so response tokens need no reordering for the weights."""
 
 
 def canonical_order(batch: RolloutBatch, plan_cfg: PlanConfig) -> CanonicalOrder:
@@ -266,37 +272,100 @@ def canonical_order(batch: RolloutBatch, plan_cfg: PlanConfig) -> CanonicalOrder
     return CanonicalOrder(order=order, group_sizes=group_sizes, padded=padded_lengths(batch, plan_cfg),
                           length=batch.prompt_lengths + batch.response_lengths,
                           p_start=exclusive_cumsum(batch.prompt_lengths),
-                          r_start=exclusive_cumsum(batch.response_lengths))
+                          r_start=exclusive_cumsum(batch.response_lengths),
+                          identity=bool((order == torch.arange(order.numel())).all()))
+
+
+def _index_dtype(largest: int) -> torch.dtype:
+    """int32 for per-token indexes whenever the values fit: half the bytes of int64 per pass, and
+    ``index_select`` takes either (the planner is memory-bound)."""
+    return torch.int32 if largest < 2**31 else torch.long
+
+
+def _ramps(starts: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, total: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """``[total]`` of ``dtype``: run ``k`` (positions ``starts[k]`` to ``starts[k] + lengths[k] - 1``;
+    runs in position order, covering ``[0, total)``; empty runs allowed) holds ``values[k]``,
+    ``values[k] + 1``, ... .
+
+    A running sum of ones with each run's jump placed at its start: one scatter of K values and
+    one cumsum, three light passes, where a gather of per-run bases by per-position run ids (a
+    :func:`segment_ids`, a gather and an add) takes several heavier ones."""
+    if not bool((lengths > 0).all()):
+        keep = lengths > 0
+        starts, values, lengths = starts[keep], values[keep], lengths[keep]
+    ends = values + lengths - 1  # the value at each run's last position
+    jumps = values - torch.cat([ends.new_zeros(1), ends[:-1]])  # first run: from the empty sum, 0
+    steps = torch.ones(total, dtype=dtype)
+    steps[starts] = jumps.to(dtype)
+    return steps.cumsum_(0)
+
+
+def _with_sentinel(values: Optional[torch.Tensor], sentinel=0) -> Optional[torch.Tensor]:
+    """``values`` and one more entry, ``sentinel``: what a position that reads nothing reads."""
+    return None if values is None else torch.cat([values, values.new_full((1,), sentinel)])
 
 
 @dataclass(frozen=True)
 class StepWeights:
-    """Phase 3's result: the step's token weights on the response tokens (canonical order)."""
+    """Phase 3's result: the step's token weights and masks on the response tokens, each with one
+    "nothing" entry appended (index ``r_total``), where phase 5 reads for the positions that score
+    no response token."""
 
     weights: TokenWeights
+    """``[R+1]``: computed in canonical order but stored in rollout order (the order of the
+    response-token arrays), so the layout reads them with the same index as the other fields;
+    0 at the end."""
     totals: StepTotals
-    rc_of_rollout: torch.Tensor
-    """int64 ``[N]``: canonical response offset of each rollout (original order)."""
     r_total: int
-    """Response tokens of the step."""
+    """Response tokens of the step (R)."""
+    denominator: torch.Tensor
+    """bool ``[R+1]``: the loss mask, False at the end."""
+    numerator: torch.Tensor
+    """bool ``[R+1]``: the numerator mask (``denominator`` itself without filtering), False at the end."""
 
 
 def step_weights(batch: RolloutBatch, order: CanonicalOrder, loss_cfg: PGLossConfig) -> StepWeights:
     """3. ``token_weights`` ONCE for the whole step, before any split. They depend only on the
-    masks of the response tokens, so they are computed on those alone (canonical order), not on
-    the padded layout; every microbatch, rank and CP shard then gathers its tokens' weights."""
+    masks of the response tokens, so they are computed on those alone (canonical order: groups
+    consecutive), not on the padded layout; every microbatch, rank and CP shard then gathers its
+    tokens' weights. When the rollouts already are in canonical order (the usual case) the masks
+    are used as they are; otherwise they are gathered into canonical order and the weights
+    gathered back.
+
+    The masks carry their "nothing" entry into ``token_weights`` as one more unit (a one-token
+    sequence, its own prompt group) with no valid token: an inactive unit, whose weights are 0
+    and which changes no other unit's, so the weights come out with their "nothing" entry
+    without a copy of each."""
     mode, divisor = loss_cfg.mode, loss_cfg.divisor  # resolved where the config was built
-    rc_start = exclusive_cumsum(batch.response_lengths[order.order])
-    r_total = int(rc_start[-1])
-    canon = (order.r_start[order.order] - rc_start[:-1])[segment_ids(rc_start, r_total)] + torch.arange(r_total)
-    den_c = batch.loss_mask[canon]
-    num_c = den_c if batch.numerator_mask is None else batch.numerator_mask[canon]
-    weights = token_weights(num_c, mode=mode, divisor=divisor, cu_seqlens=rc_start,
-                            group_sizes=order.group_sizes, denominator_mask=den_c, validate=False)
-    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(den_c.sum()))
-    rc_of_rollout = torch.empty_like(rc_start[:-1])
-    rc_of_rollout[order.order] = rc_start[:-1]
-    return StepWeights(weights, totals, rc_of_rollout, r_total)
+    r_total = int(order.r_start[-1])
+    den = _with_sentinel(batch.loss_mask, False)
+    num = den if batch.numerator_mask is None else _with_sentinel(batch.numerator_mask, False)
+    group_sizes = [*order.group_sizes, 1]
+    if order.identity:
+        cu_seqlens = torch.cat([order.r_start, order.r_start.new_full((1,), r_total + 1)])
+        weights = token_weights(num, mode=mode, divisor=divisor, cu_seqlens=cu_seqlens,
+                                group_sizes=group_sizes, denominator_mask=den, validate=False)
+    else:
+        one = order.r_start.new_ones(1)
+        lengths = torch.cat([batch.response_lengths[order.order], one])  # canonical, and the extra unit
+        rc_start = exclusive_cumsum(lengths)  # canonical response offsets
+        rc_of_rollout = torch.empty_like(rc_start[:-1])
+        rc_of_rollout[torch.cat([order.order, one * len(batch)])] = rc_start[:-1]
+        dtype = _index_dtype(r_total + 1)
+        # canonical position -> rollout-order token, and back (a run per rollout; the extra unit last)
+        to_rollout = _ramps(rc_start[:-1], torch.cat([order.r_start[:-1][order.order], one * r_total]),
+                            lengths, r_total + 1, dtype)
+        to_canonical = _ramps(order.r_start, rc_of_rollout, torch.cat([batch.response_lengths, one]),
+                              r_total + 1, dtype)
+        den_c = den.index_select(0, to_rollout)
+        num_c = den_c if num is den else num.index_select(0, to_rollout)
+        canonical = token_weights(num_c, mode=mode, divisor=divisor, cu_seqlens=rc_start,
+                                  group_sizes=group_sizes, denominator_mask=den_c, validate=False)
+        weights = TokenWeights(canonical.coef.index_select(0, to_canonical),
+                               canonical.count.index_select(0, to_canonical), canonical.mode)
+    totals = StepTotals(pg_weight=int(weights.count.sum()), valid_tokens=int(torch.count_nonzero(den)))
+    return StepWeights(weights, totals, r_total, den, num)
 
 
 @dataclass(frozen=True)
@@ -315,8 +384,7 @@ def pack_bins(order: CanonicalOrder, plan_cfg: PlanConfig) -> Bins:
     onto the lightest bin, ties by index (deterministic)."""
     dp = plan_cfg.dp_size
     padded_canonical = order.padded[order.order].tolist()
-    num_mb = _choose_microbatches(padded_canonical, plan_cfg)
-    bins = _lpt_bins(padded_canonical, dp * num_mb)
+    num_mb, bins = _choose_microbatches(padded_canonical, plan_cfg)
     empty = sum(1 for members in bins if not members)
     if empty:
         raise PlanError(
@@ -350,69 +418,74 @@ def token_layout(batch: RolloutBatch, order: CanonicalOrder, step: StepWeights, 
     seq_offsets = exclusive_cumsum(seq_padded)
     total = int(seq_offsets[-1])
     cp = plan_cfg.cp_size
-    if cp > 1:
-        kept = cp_partition_index(seq_padded, cp, cp_rank)
-        seq = segment_of(seq_offsets, kept)
-    else:
-        kept = torch.arange(total)
-        seq = segment_ids(seq_offsets, total)
-    # Per-sequence bases, so that each per-token index is one gather of a base plus ``kept``
-    # (absolute positions in the packed layout). Every per-token field is then ONE gather from a
-    # source array with a zero "sentinel" appended: positions that read nothing (padding, prompt,
-    # masked) index the sentinel, so no clamp and no per-field where is needed. (torch.where,
-    # not masked_fill_: faster on CPU.)
-    seq_start = seq_offsets[:-1]
-    prompt_end = seq_start + batch.prompt_lengths[rollout_of]
-    seq_end = seq_start + order.length[rollout_of]
+    seq_start, seq_last = seq_offsets[:-1], seq_offsets[1:] - 1
+    prompt, length = batch.prompt_lengths[rollout_of], order.length[rollout_of]
+    # Every token id is read from ONE source: the responses, then a block of zeros (padding, and
+    # "nothing": a sequence's padding is shorter than the block), then the prompts. A sequence is
+    # then three runs of consecutive source indexes (prompt, response, padding), so the index of
+    # every position is one _ramps. Responses first, so the index of the next position, capped at
+    # r_total, is the scored response token (position P + j - 1 scores response token j): a next
+    # position in the padding or in another sequence's prompt lands at or past r_total, the
+    # "nothing" sentinel appended to every response-token field. No per-position sequence ids,
+    # bases or torch.where (each a pass over the step's positions).
+    zeros = plan_cfg.pad_multiple
     p_total = batch.prompt_tokens.numel()
-    r_start = order.r_start
-    token_base = torch.stack([order.p_start[rollout_of] - seq_start,        # prompt: prompt_tokens
-                              p_total + r_start[rollout_of] - prompt_end,   # response: after prompts
-                              r_start[rollout_of] - prompt_end + 1,         # scored response token
-                              step.rc_of_rollout[rollout_of] - prompt_end + 1], 1)  # its weights
-    all_tokens = torch.cat([batch.prompt_tokens, batch.response_tokens, torch.zeros(1, dtype=torch.long)])
-    pos = kept - seq_start[seq]
-    in_prompt = kept < prompt_end[seq]
-    end = seq_end[seq]
-    bases = token_base[seq]
-
-    def token_at(at, in_prompt_at):
-        """Token id at absolute position ``at`` of each token's sequence (0 past its end)."""
-        index = torch.where(in_prompt_at, bases[:, 0], bases[:, 1]).add_(at)
-        return all_tokens[torch.where(at >= end, p_total + r_total, index)]
-
-    tokens = token_at(kept, in_prompt)
-    next_pos = kept + 1
-    last = next_pos >= end  # the last real position (and padding) scores nothing
-    if cp == 1:  # sequences are contiguous: the next token is the shifted token row
-        labels = torch.zeros_like(tokens)
+    dtype = _index_dtype(r_total + zeros + p_total)
+    source = torch.cat([batch.response_tokens, batch.response_tokens.new_zeros(zeros), batch.prompt_tokens])
+    runs = torch.stack([
+        torch.stack([seq_start, seq_start + prompt, seq_start + length], 1),        # starts
+        torch.stack([r_total + zeros + order.p_start[rollout_of], order.r_start[rollout_of],
+                     torch.full_like(prompt, r_total)], 1),                          # first source index
+        torch.stack([prompt, length - prompt, seq_padded - length], 1),              # lengths
+    ]).reshape(3, -1)
+    at = _ramps(*runs, total, dtype)
+    position_ids = _ramps(seq_start, torch.zeros_like(seq_start), seq_padded, total, torch.long)
+    following = torch.empty_like(at)  # the source index of the next position of the same sequence
+    if cp > 1:
+        following[:-1] = at[1:]
+        following[seq_last] = r_total  # (a zero) after each sequence's last position
+        kept = cp_partition_index(seq_padded, cp, cp_rank)
+        at, following, position_ids = (t.index_select(0, kept) for t in (at, following, position_ids))
+        tokens, labels = source.index_select(0, at), source.index_select(0, following)
+        scored = following.clamp_max_(r_total)
+    else:  # sequences are contiguous: the labels are the tokens shifted, 0 after each sequence
+        tokens = source.index_select(0, at)
+        labels = torch.empty_like(tokens)
         labels[:-1] = tokens[1:]
-        labels = torch.where(last, 0, labels)
-    else:
-        labels = token_at(next_pos, next_pos < prompt_end[seq])
+        labels[seq_last] = 0
+        scored = following  # clamped as it is shifted: one pass
+        torch.clamp(at[1:], max=r_total, out=scored[:-1])
+        scored[seq_last] = r_total
+    # scored: the response token scored at each position, or r_total (nothing)
+    del source, at  # freed now, so that the fields below can reuse their memory
 
-    def with_sentinel(values):
-        return None if values is None else torch.cat([values, values.new_zeros(1)])
+    def read(values, index, sentinel=0):
+        return None if values is None else _with_sentinel(values, sentinel).index_select(0, index)
 
-    # position P + j - 1 scores response token j: scored from the prompt's last token onwards
-    unscored = last | (next_pos < prompt_end[seq])
-    scored_index = torch.where(unscored, r_total, bases[:, 2] + kept)
-    den = with_sentinel(batch.loss_mask)[scored_index]
-    num = den if batch.numerator_mask is None else with_sentinel(batch.numerator_mask)[scored_index]
-    valid_index = torch.where(den, scored_index, r_total)  # masked positions read 0 (never NaN)
-    c_index = torch.where(den, bases[:, 3] + kept, r_total)
-    coef = with_sentinel(step.weights.coef)[c_index]
+    if step.numerator is step.denominator:
+        den = num = step.denominator.index_select(0, scored)
+    else:  # one gather for both masks: bit 0 the denominator, bit 1 the numerator (0/1 bytes are bools)
+        both = (step.numerator.view(torch.uint8) << 1).bitwise_or_(step.denominator.view(torch.uint8))
+        both = both.index_select(0, scored)
+        den, num = (both & 1).view(torch.bool), (both >> 1).view(torch.bool)
+        del both
+    # The weights need no mask: token_weights leaves c_t and k_t at 0 outside the numerator and
+    # the denominator (the numerator is within the denominator), as at the "nothing" entry.
+    weights = TokenWeights(step.weights.coef.index_select(0, scored), step.weights.count.index_select(0, scored),
+                           step.weights.mode)
+    correction_weights = None if correction is None else read(correction.weights, scored, 1)
+    # where(den, scored, r_total), in place and as arithmetic (faster than torch.where on CPU):
+    # masked positions read the "nothing" 0, never the values stored there (which may be NaN)
+    valid = scored.sub_(r_total).mul_(den).add_(r_total)
     fields = {
-        "tokens": tokens, "labels": labels, "position_ids": pos,
+        "tokens": tokens, "labels": labels, "position_ids": position_ids,
         "numerator_mask": num, "denominator_mask": den,
-        "advantages": with_sentinel(batch.advantages)[valid_index],
-        "old_logprobs": with_sentinel(batch.old_logprobs)[valid_index],
-        "ref_logprobs": None if batch.ref_logprobs is None else with_sentinel(batch.ref_logprobs)[valid_index],
+        "advantages": read(batch.advantages, valid),
+        "old_logprobs": read(batch.old_logprobs, valid),
+        "ref_logprobs": read(batch.ref_logprobs, valid),
     }
     if correction is not None:
-        fields["correction_weights"] = torch.cat([correction.weights, correction.weights.new_ones(1)])[scored_index]
-    weights = TokenWeights(coef if num is den else torch.where(num, coef, 0.0),
-                           with_sentinel(step.weights.count)[c_index], step.weights.mode)
+        fields["correction_weights"] = correction_weights
     return TokenLayout(fields, weights, seq_padded, total)
 
 
@@ -469,9 +542,11 @@ def assemble_microbatches(batch: RolloutBatch, order: CanonicalOrder, step: Step
     dp, cp, num_mb = plan_cfg.dp_size, plan_cfg.cp_size, bins.num_microbatches
     rollout_of = bins.rollout_of
     seq_pad_all = layout.seq_padded.tolist()
-    numerator_per_rollout = torch.zeros(len(batch), dtype=torch.float32).index_add_(
-        0, segment_ids(order.r_start, step.r_total),
-        (batch.loss_mask if batch.numerator_mask is None else batch.numerator_mask).float())
+    # N_i from int32 prefix counts of the numerator at the response offsets: exact integer counts,
+    # as the float32 per-token sum they replace (no response comes near 2**24 tokens)
+    prefix = exclusive_cumsum(batch.loss_mask if batch.numerator_mask is None else batch.numerator_mask,
+                              torch.int32)
+    numerator_per_rollout = (prefix[order.r_start[1:]] - prefix[order.r_start[:-1]]).float()
     seq_num_all = numerator_per_rollout[rollout_of].tolist()
     members_of = bins.members
     bin_sizes = [sum(seq_pad_all[k] for k in range(first, first + len(members)))
@@ -616,17 +691,19 @@ def correction_stats(batch: RolloutBatch, correction: RolloutCorrection) -> dict
     }
 
 
-def _choose_microbatches(padded: list, cfg: PlanConfig) -> int:
+def _choose_microbatches(padded: list, cfg: PlanConfig) -> tuple:
+    """``(microbatches per DP rank, LPT bins)``: the configured count, else the fewest whose LPT
+    assignment fits the capacity (the bins of the last try are the answer: not computed twice)."""
     if cfg.num_microbatches is not None:
         if cfg.num_microbatches < 1:
             raise PlanError(f"num_microbatches must be >= 1; got {cfg.num_microbatches}")
-        return cfg.num_microbatches
+        return cfg.num_microbatches, _lpt_bins(padded, cfg.dp_size * cfg.num_microbatches)
     cap = cfg.capacity
     if cap is None:
-        return 1
+        return 1, _lpt_bins(padded, cfg.dp_size)
     num_mb = max(1, -(-sum(padded) // (cfg.dp_size * cap)))
     while True:  # LPT may overflow a bin that a perfect packing would not: add microbatches
         bins = _lpt_bins(padded, cfg.dp_size * num_mb)
         if max(sum(padded[i] for i in b) for b in bins) <= cap:
-            return num_mb
+            return num_mb, bins
         num_mb += 1
