@@ -58,9 +58,15 @@ def keep_freed_memory() -> None:
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL("libc.so.6")
+    # mallopt(int, int): declared, so that a value that does not fit a C int is an error here
+    # rather than silently truncated (1 << 34 became 0: trim on every free, the opposite intent)
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 1 << 34)
+    for name, param, value in (("M_MMAP_THRESHOLD", m_mmap_threshold, 1 << 30),
+                               ("M_TRIM_THRESHOLD", m_trim_threshold, (1 << 31) - 1)):
+        if libc.mallopt(param, value) != 1:  # glibc returns 1 on success
+            logger.warning(f"glibc refused mallopt({name}, {value}): freed planning buffers go back to "
+                           "the OS (slower planning, same results)")
 
 
 @dataclass(frozen=True)
