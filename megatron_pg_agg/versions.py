@@ -57,8 +57,8 @@ class TestedRelease:
     torch: str
     """The torch release the leg installs (2.13.0: the CPU wheel; 2.14.1: a CUDA build that runs on CPU)."""
     suite: str
-    """``full``: every test (the README's test command); ``release``: :data:`RELEASE_TESTS`;
-    ``unit+megatron-lm``: tests/unit plus the Megatron-LM tests."""
+    """``full``: every test (the README's test command); ``unit+megatron-lm``: tests/unit plus the
+    Megatron-LM tests."""
     megatron_bridge: str | None = None
     """The megatron-bridge release the leg also installs (``--no-deps``, then the ``bridge``
     extra) and whose tests must run there (--hf-model, --save-hf); None: not installed."""
@@ -72,7 +72,7 @@ TESTED: tuple[TestedRelease, ...] = (
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
     TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm"),
     TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
-    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "release",
+    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full",
                   megatron_bridge="0.6.2", verl="0.9.1"),
 )
 """The CI legs, in the order .ci/run runs them (one venv per Python; only megatron-core changes).
@@ -81,18 +81,7 @@ imports (nvidia-modelopt and transformers, which Megatron-LM's training side and
 import when present) cost every Megatron-LM process about 11 s more on 2 cores."""
 
 
-RELEASE_TESTS = ("tests/unit", "tests/distributed/test_megatron_lm.py", "tests/distributed/test_megatron_rl.py",
-                 "tests/distributed/test_startup_noise.py", "tests/distributed/test_fuzz.py",
-                 "tests/distributed/test_hf_bridge.py", "tests/distributed/test_verl.py")
-"""What a ``release`` leg runs: the unit suite, everything that exists on that release only or
-depends on it by construction (Megatron-LM's pretrain and RL entries, the start-up messages
-silenced per release, Megatron-Bridge, verl) and the fuzzer, which compares random layouts,
-modes, policy losses, MoE and MTP with the float64 reference (every reported field, the grad
-norm and the gradients). The trainer's fixed distributed suites (parity rows, collectives, MoE,
-MTP, command line, failure handling) run on the full leg. Why: on 2 cores a Python 3.12 process
-starts about 5 s slower than a 3.11 one, and the whole suite there took 37 minutes."""
-
-SUITE_NAMES = {"full": "the whole suite", "release": "unit suite + Megatron-LM, RL, Bridge, verl tests + fuzzer",
+SUITE_NAMES = {"full": "the whole suite",
                "unit+megatron-lm": "unit suite + Megatron-LM layout tests"}
 """The README table's words for each suite."""
 
@@ -204,7 +193,5 @@ if __name__ == "__main__":
         print(_ci_legs())
     elif command == "table":
         print(tested_table())
-    elif command == "release-tests":
-        print(" ".join(RELEASE_TESTS))
     else:
-        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table|release-tests]")
+        sys.exit(f"usage: python {sys.argv[0]} [ci-legs|table]")
