@@ -2,6 +2,7 @@
 
     python benchmarks/bench_plan_ahead.py                    # 1M-token steps, a step 1.5 x the plan
     python benchmarks/bench_plan_ahead.py --tokens 2 --step-ms 800 --work matmul
+    python benchmarks/bench_plan_ahead.py --glibc-default    # without the launcher's malloc setting
 
 A loop of ``--steps`` optimizer steps over three distinct rollout steps of ``--tokens`` million
 response tokens each (built as benchmarks/bench_planner.py builds them: DP=8 x 16 microbatches),
@@ -12,6 +13,7 @@ when the step starts, as before); the first step of each run is left out (nothin
 hide its plan behind). Printed: the planner's time per step, the simulated step, and the time per
 step beyond the simulated step ("exposed": what the loop waited for its plan), on and off. With a
 step longer than its plan, "exposed" is near 0 with plan-ahead and about the plan time without.
+The process first applies the launcher's malloc setting, as training and bench_planner.py do.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_planner, run as a script
 
-from bench_planner import DP, MICROBATCHES, make_batch  # noqa: E402
+from bench_planner import DP, MICROBATCHES, add_malloc_args, apply_malloc_setting, make_batch  # noqa: E402
 
 from megatron_pg_agg.core.losses import PGLossConfig  # noqa: E402
 from megatron_pg_agg.data.plan_ahead import PlanAhead  # noqa: E402
@@ -71,7 +73,9 @@ def main(argv=None) -> None:
                         help="simulated step (default: 1.5 x the measured plan time)")
     parser.add_argument("--work", choices=("sleep", "matmul"), default="sleep")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    add_malloc_args(parser)
     args = parser.parse_args(argv)
+    apply_malloc_setting(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = PGLossConfig(mode="prompt_mean")

@@ -15,7 +15,8 @@ ceil(total / bins), overflow to the lightest bin.
 By default the process first applies the launcher's malloc setting
 (``megatron_pg_agg.training.worker_process.keep_freed_memory``), as training does. The last line
 is the summary ``planner: 1M <ms> ms; 8M/1M <ratio>``: the median plan time over every
-repetition of every group size at 1M response tokens, and the 8M median over it.
+repetition of every group size at 1M response tokens, and the 8M median over it. Plan times are
+taken in rounds that plan every case once each, so the machine's slow spells fall on all sizes.
 """
 from __future__ import annotations
 
@@ -89,47 +90,67 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(timed_ms(fn, reps))
 
 
+def add_malloc_args(parser: argparse.ArgumentParser) -> None:
+    """The malloc switches every planner benchmark takes: the launcher's setting unless told otherwise."""
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc malloc at its defaults instead of the launcher's setting")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="the launcher's malloc setting (the default; kept for old command lines)")
+
+
+def apply_malloc_setting(args: argparse.Namespace) -> None:
+    """Apply the launcher's malloc setting as training does, unless ``--glibc-default``; say which."""
+    if not args.glibc_default:
+        from megatron_pg_agg.training.worker_process import keep_freed_memory
+
+        keep_freed_memory()  # as launch/train_actor.py does
+    print(f"glibc malloc: {'default' if args.glibc_default else 'launcher setting (keep_freed_memory)'}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="millions of response tokens")
     parser.add_argument("--groups", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json")
-    parser.add_argument("--glibc-default", action="store_true",
-                        help="leave glibc malloc at its defaults instead of the launcher's setting")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="the launcher's malloc setting (the default; kept for old command lines)")
+    add_malloc_args(parser)
     args = parser.parse_args(argv)
-    if not args.glibc_default:
-        from megatron_pg_agg.training.worker_process import keep_freed_memory
-
-        keep_freed_memory()  # as launch/train_actor.py does
-    print(f"glibc malloc: {'default' if args.glibc_default else 'launcher setting (keep_freed_memory)'}", flush=True)
+    apply_malloc_setting(args)
     cfg = PGLossConfig(mode="prompt_mean")
     plan_cfg = PlanConfig(dp_size=DP, num_microbatches=MICROBATCHES)
+    cases = [(millions, group) for millions in args.tokens for group in args.groups]
+    batches = {case: make_batch(*case) for case in cases}
+    # Plan times in rounds, each planning every case once, so a slow spell of a shared machine
+    # falls on every size alike and the 8M/1M ratio compares like with like.
+    times_by_case = {case: [] for case in cases}
+    for round_ in range(2 + args.reps):  # two warm-up rounds: the steady state of a training loop
+        for case in cases:
+            t0 = time.perf_counter()
+            plan_step(batches[case], cfg, plan_cfg)
+            if round_ >= 2:
+                times_by_case[case].append((time.perf_counter() - t0) * 1e3)
     rows, plan_times = [], {}
-    for millions in args.tokens:
-        for group in args.groups:
-            batch = make_batch(millions, group)
-            plan = plan_step(batch, cfg, plan_cfg)
-            padded = (batch.prompt_lengths + batch.response_lengths).tolist()  # pad multiple 1
-            times = timed_ms(lambda: plan_step(batch, cfg, plan_cfg), args.reps)
-            plan_times.setdefault(millions, []).extend(times)
-            ours_ms = statistics.median(times)
-            lpt_ms = median_ms(lambda: _lpt_bins(padded, DP * MICROBATCHES), args.reps)
-            ffd_ms = median_ms(lambda: ffd_bins(padded, DP * MICROBATCHES), args.reps)
-            ours_mb, ours_rank = balance(_lpt_bins(padded, DP * MICROBATCHES), padded)
-            ffd_mb, ffd_rank = balance(ffd_bins(padded, DP * MICROBATCHES), padded)
-            row = {
-                "response_tokens": int(batch.response_lengths.sum()), "tokens": plan.stats["tokens"],
-                "sequences": len(batch), "group": group,
-                "plan_ms": ours_ms, "assign_lpt_ms": lpt_ms, "assign_ffd_ms": ffd_ms,
-                "balance_microbatch": ours_mb, "balance_rank": ours_rank,
-                "ffd_balance_microbatch": ffd_mb, "ffd_balance_rank": ffd_rank,
-                "plan_stats_balance": plan.stats["microbatch_balance"],
-            }
-            rows.append(row)
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for millions, group in cases:
+        batch = batches[millions, group]
+        plan = plan_step(batch, cfg, plan_cfg)
+        padded = (batch.prompt_lengths + batch.response_lengths).tolist()  # pad multiple 1
+        times = times_by_case[millions, group]
+        plan_times.setdefault(millions, []).extend(times)
+        ours_ms = statistics.median(times)
+        lpt_ms = median_ms(lambda: _lpt_bins(padded, DP * MICROBATCHES), args.reps)
+        ffd_ms = median_ms(lambda: ffd_bins(padded, DP * MICROBATCHES), args.reps)
+        ours_mb, ours_rank = balance(_lpt_bins(padded, DP * MICROBATCHES), padded)
+        ffd_mb, ffd_rank = balance(ffd_bins(padded, DP * MICROBATCHES), padded)
+        row = {
+            "response_tokens": int(batch.response_lengths.sum()), "tokens": plan.stats["tokens"],
+            "sequences": len(batch), "group": group,
+            "plan_ms": ours_ms, "assign_lpt_ms": lpt_ms, "assign_ffd_ms": ffd_ms,
+            "balance_microbatch": ours_mb, "balance_rank": ours_rank,
+            "ffd_balance_microbatch": ffd_mb, "ffd_balance_rank": ffd_rank,
+            "plan_stats_balance": plan.stats["microbatch_balance"],
+        }
+        rows.append(row)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     print("\n| response tokens | sequences | group | plan ms (all of it) | assign: LPT ms / FFD ms | balance mb (ours / FFD) | balance rank (ours / FFD) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
