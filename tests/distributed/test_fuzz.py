@@ -1,4 +1,4 @@
-"""The layout fuzzer in CI: 10 random cases per full leg against the float64 reference (20 per
+"""The layout fuzzer in CI: 20 random cases per full leg against the float64 reference (40 per
 .ci/run: its two full legs draw different cases), a new seed per commit.
 
 The seed is ``MEGATRON_PG_AGG_FUZZ_SEED`` when set, else drawn from the checkout's commit and the
@@ -14,7 +14,7 @@ import sys
 
 from tests.support.launching import ROOT, child_env
 
-CASES = 10
+CASES = 20
 
 
 def _seed() -> int:
