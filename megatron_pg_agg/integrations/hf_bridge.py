@@ -33,7 +33,6 @@ import functools
 import json
 import logging
 import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -41,7 +40,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_pg_agg.data.atomic_files import fsync_directory
+from megatron_pg_agg.data.output_folder import HF_KIND, new_output_folder, replace_output_folder
 
 from .hf_folder import HFFolder, HFFolderError, bridge_install_problem, open_hf_folder
 
@@ -257,19 +256,18 @@ def save_hf_folder(hf: HFModel, model: list, out_dir: str, *, rank: int,
     the source folder's tokenizer and generation files. Every rank calls it (the export is
     collective); rank 0 writes.
 
-    Atomic: everything goes to a hidden folder beside ``out_dir``, which then takes the final name
-    by ``os.rename`` (a previous folder of that name is moved aside first and removed after). A
-    crash at any point leaves either the previous folder, or none, under ``out_dir``: never a
-    partial one. Returns ``out_dir``."""
+    Atomic and safe (:mod:`megatron_pg_agg.data.output_folder`): everything goes to a hidden folder
+    beside ``out_dir`` with a marker listing its files, which then takes the final name by
+    ``os.rename``. Only an earlier output of this function is replaced (its listed files unlinked,
+    its folder removed with ``rmdir``); anything else at ``out_dir`` raises
+    :class:`~megatron_pg_agg.data.output_folder.OutputFolderError` and is left as it was. A crash at
+    any point leaves either the previous folder, or none, under ``out_dir``: never a partial one.
+    Returns ``out_dir``."""
     from safetensors.torch import save_file  # noqa: PLC0415  (a dependency of transformers)
 
     out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.split(out_dir)
-    temp = os.path.join(parent, f".{name}.{secrets.token_hex(6)}.tmp")
     writer = rank == 0
-    if writer:
-        os.makedirs(parent, exist_ok=True)
-        os.makedirs(temp)
+    temp = new_output_folder(out_dir) if writer else None
     shards, current, size, dtype = [], {}, 0, None
     try:
         for tensor_name, tensor in iter_hf_weights(hf, model):
@@ -286,7 +284,7 @@ def save_hf_folder(hf: HFModel, model: list, out_dir: str, *, rank: int,
             if current or not shards:
                 shards.append(_write_shard(save_file, temp, len(shards), current))
             _finish_folder(hf.folder, temp, shards, dtype)
-            _replace_folder(temp, out_dir)
+            replace_output_folder(temp, out_dir, kind=HF_KIND, flag="--save-hf")
     except BaseException:
         if writer:
             shutil.rmtree(temp, ignore_errors=True)
@@ -326,14 +324,3 @@ def _finish_folder(source: HFFolder, temp: str, shards: list, dtype) -> None:
     for name in os.listdir(temp):
         with open(os.path.join(temp, name), "rb") as f:
             os.fsync(f.fileno())
-
-
-def _replace_folder(temp: str, out_dir: str) -> None:
-    old = None
-    if os.path.exists(out_dir):
-        old = f"{temp}.old"
-        os.rename(out_dir, old)
-    os.rename(temp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_directory(os.path.dirname(out_dir))

@@ -10,6 +10,8 @@ layer norm, Qwen3-MoE with 4 experts, top-2). Needs transformers (the ``bridge``
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -38,14 +40,33 @@ def tiny_config(family: str, *, vocab_size: int = 128, tie: bool = False, num_la
 
 def make_tiny_model(family: str, out_dir: str, *, seed: int = 0, vocab_size: int = 128, tie: bool = False,
                     num_layers: int = 4) -> str:
-    """Write a tiny ``family`` model with seeded random weights to ``out_dir``; returns it."""
+    """Write a tiny ``family`` model with seeded random weights to ``out_dir``; returns it. Like
+    ``--save-hf``, it replaces only a folder it made before (:mod:`megatron_pg_agg.data.output_folder`):
+    anything else at ``out_dir`` raises ``OutputFolderError`` and is left as it was."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
+    from megatron_pg_agg.data.output_folder import (  # noqa: PLC0415
+        TINY_HF_KIND,
+        OutputFolderError,
+        new_output_folder,
+        output_folder_problem,
+        replace_output_folder,
+    )
+
+    problems = output_folder_problem(out_dir, "tiny_hf", kind=TINY_HF_KIND)
+    if problems:
+        raise OutputFolderError("; ".join(problems))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size=vocab_size, tie=tie, num_layers=num_layers),
                                              dtype=torch.float32)
-    model.save_pretrained(out_dir)
+    temp = new_output_folder(out_dir)
+    try:
+        model.save_pretrained(temp)
+        replace_output_folder(temp, os.path.abspath(out_dir), kind=TINY_HF_KIND, flag="tiny_hf")
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)  # our own hidden temporary folder only
+        raise
     return out_dir
 
 
@@ -64,8 +85,14 @@ def main(argv=None) -> int:
     except ImportError:
         print("tiny_hf: transformers is not installed (pip install -e '.[bridge]' on Python 3.12)", file=sys.stderr)
         return 2
-    out = make_tiny_model(args.family, args.out_dir, seed=args.seed, vocab_size=args.vocab_size,
-                          tie=args.tie_word_embeddings, num_layers=args.num_layers)
+    from megatron_pg_agg.data.output_folder import OutputFolderError  # noqa: PLC0415
+
+    try:
+        out = make_tiny_model(args.family, args.out_dir, seed=args.seed, vocab_size=args.vocab_size,
+                              tie=args.tie_word_embeddings, num_layers=args.num_layers)
+    except OutputFolderError as error:
+        print(f"tiny_hf: refusing to write: {error}", file=sys.stderr)
+        return 2
     print(f"tiny_hf: wrote a {args.family} model to {out}")
     return 0
 

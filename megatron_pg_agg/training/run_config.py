@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.data.output_folder import HF_KIND, output_folder_problem
 from megatron_pg_agg.data.planner import PlanConfig
 from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.patches import mtp_loss
@@ -576,6 +577,13 @@ class RunConfig:
             problems.append("--save-hf needs --hf-model (the HF config and names come from it)")
         if ckpt.save_hf_interval is not None and (ckpt.save_hf_interval < 1 or not ckpt.save_hf):
             problems.append("--save-hf-interval needs --save-hf and a value >= 1")
+        if ckpt.save_hf:
+            # before any training: a user's file at DIR, or an input under it, is never replaced
+            problems.extend(output_folder_problem(
+                ckpt.save_hf, "--save-hf", kind=HF_KIND,
+                others={"--hf-model": model.hf_model, "--load": ckpt.load, "--save": ckpt.save,
+                        "--rollouts": self.data.rollouts, "--metrics-file": self.logging.metrics_file,
+                        "--tensorboard-dir": self.logging.tensorboard_dir}))
         if self.training.train_iters < 1:
             problems.append("--train-iters must be >= 1")
         if ckpt.load and not os.path.isdir(ckpt.load):

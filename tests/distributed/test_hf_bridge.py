@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from megatron_pg_agg.data.output_folder import MARKER
 from tests.support.launching import ROOT, child_env, run, torchrun, worker
 from tests.support.optional import REQUIRE_BRIDGE, require
 
@@ -116,7 +117,7 @@ def test_load_export_and_logits_against_transformers(models, tmp_path):
     with torch.no_grad():
         moved = float((source(torch.tensor([IDS])).logits[0] - after).abs().max())
     assert err <= 1e-5 and moved > 1e-2, (err, moved)
-    assert sorted(os.listdir(trained_dir)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(trained_dir)) == [MARKER, "config.json", "generation_config.json", "model.safetensors"]
     print(f"HF checks: {elapsed:.1f}s; " + "; ".join(
         f"{f} logits {result['checks'][f]['DP2']['logits_max_abs']:.1e}" for f in FAMILIES)
         + f"; trained export vs megatron-core logits {err:.1e} (moved {moved:.2f})")
@@ -261,7 +262,7 @@ def test_acceptance_command_trains_qwen3_and_writes_an_hf_folder(models, rollout
     leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".")]
     assert leftovers == [], leftovers
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 256}'
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+    assert sorted(os.listdir(out)) == [MARKER, "config.json", "generation_config.json", "model.safetensors",
                                        "tokenizer_config.json"]
     import torch
     from transformers import AutoModelForCausalLM
@@ -332,11 +333,20 @@ def test_bad_folders_and_conflicting_flags_are_refused(models, trainer_runs, tmp
     transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=32)).save_pretrained(gemma2)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    source_files = {n: open(os.path.join(models["qwen3"], n), "rb").read() for n in os.listdir(models["qwen3"])}
     cases = [
         (["--hf-model", gemma2], ["family 'gemma2' uses sliding-window attention", "THD core attention"]),
         (["--hf-model", bad["not_lm"]], ["not a causal LM", "BertModel"]),
         (["--hf-model", bad["no_weights"]], ["no safetensors weights", "pytorch_model.bin"]),
         (["--save-hf", tmp_path / "x"], ["--save-hf needs --hf-model"]),
+        # a user's folder, a file, and the source model itself: refused before any training
+        (["--hf-model", models["qwen3"], "--save-hf", mine], [f"--save-hf {mine} is a folder that is not empty"]),
+        (["--hf-model", models["qwen3"], "--save-hf", mine / "notes.txt"], ["is a file, not a folder"]),
+        (["--hf-model", models["qwen3"], "--save-hf", models["qwen3"]],
+         [f"--save-hf {models['qwen3']} is --hf-model {models['qwen3']}: the output would replace it"]),
     ]
     for argv, words in cases:
         rc, out, _ = run([sys.executable, str(TRAIN), *map(str, argv), "--metrics-file", str(tmp_path / "m.jsonl")],
@@ -344,6 +354,9 @@ def test_bad_folders_and_conflicting_flags_are_refused(models, trainer_runs, tmp
         assert rc == 2 and "refusing to start" in out, (argv, rc, out[-5000:])
         for word in words:
             assert word in out, (word, out[-5000:])
+    assert (mine / "notes.txt").read_text() == "my notes" and os.listdir(mine) == ["notes.txt"]
+    assert {n: open(os.path.join(models["qwen3"], n), "rb").read() for n in os.listdir(models["qwen3"])} == source_files
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
 BRIDGE_TRAIN = ROOT / "launch" / "train_bridge_actor.py"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_pg_agg.data.output_folder import MARKER
 from megatron_pg_agg.integrations import hf_folder
 from megatron_pg_agg.integrations.hf_folder import BRIDGE_INSTALL, HFFolderError, open_hf_folder
 from tests.support.optional import REQUIRE_BRIDGE, require
@@ -149,7 +150,7 @@ def test_save_hf_folder_writes_config_weights_and_tokenizer_and_replaces_atomica
     tensors = [("a.weight", torch.arange(6.0).reshape(2, 3)), ("b.weight", torch.ones(4)), ("c.bias", torch.zeros(2))]
     out = tmp_path / "out"
     save_hf_folder(_fake_hf(source, tensors), [], str(out), rank=0)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(out)) == [MARKER, "config.json", "model.safetensors", "tokenizer.json"]
     written = load_file(out / "model.safetensors")
     assert sorted(written) == ["a.weight", "b.weight", "c.bias"] and torch.equal(written["a.weight"], tensors[0][1])
     config = json.loads((out / "config.json").read_text())

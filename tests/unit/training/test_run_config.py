@@ -193,3 +193,35 @@ def test_mtp_is_refused_on_megatron_core_0_15_with_the_reason(monkeypatch):
     (problem,) = _cfg("--mtp-num-layers", 2).startup_problems(2, backend="gloo", te=True)
     assert "refuses multi-token prediction with packed sequences" in problem and "0.15.3" in problem
     assert _cfg().startup_problems(2, backend="gloo", te=True) == []  # no MTP: 0.15 is fine
+
+
+def _save_hf_problems(tmp_path, out, *extra):
+    """The start-up problems of an --hf-model run (its folder under tmp_path/models/qwen) saving to ``out``."""
+    model = tmp_path / "models" / "qwen"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text("{}")
+    cfg = _cfg("--save-hf", out, *extra)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_model=str(model)))
+    return cfg.startup_problems(2, backend="gloo", te=True)
+
+
+def test_save_hf_refuses_an_occupied_path_or_an_input_at_start_up(tmp_path):
+    """--save-hf is checked before any training: a user's folder, a file, the source model, a
+    checkpoint folder or the metrics file under it is refused by name, and nothing is touched.
+    Catches the check dropped from startup_problems or given the wrong paths."""
+    assert _save_hf_problems(tmp_path, tmp_path / "new") == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (problem,) = _save_hf_problems(tmp_path, mine)
+    assert problem.startswith(f"--save-hf {mine} is a folder that is not empty (notes.txt)")
+    (tmp_path / "file").write_text("keep")
+    assert "is a file, not a folder" in _save_hf_problems(tmp_path, tmp_path / "file")[0]
+    for out in (tmp_path / "models" / "qwen", tmp_path / "models" / "qwen" / "out", tmp_path / "models"):
+        assert any("--hf-model" in p and "would replace it" in p for p in _save_hf_problems(tmp_path, out)), out
+    (ckpt,) = _save_hf_problems(tmp_path, tmp_path / "ck" / "hf", "--save", tmp_path / "ck")
+    assert ckpt.startswith(f"--save-hf {tmp_path / 'ck' / 'hf'} is inside --save {tmp_path / 'ck'}")
+    (ckpt,) = _save_hf_problems(tmp_path, tmp_path / "new", "--metrics-file", tmp_path / "new" / "m.jsonl")
+    assert "contains --metrics-file" in ckpt
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "file").read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == ["file", "mine", "models"]
