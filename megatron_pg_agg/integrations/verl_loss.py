@@ -7,9 +7,8 @@ calls ``loss_function(model_output, data, dp_group)`` on each. Whatever the layo
 
 1. :meth:`VerlPGLoss.prepare_step`, on the whole mini-batch of this rank before verl splits it
    (the engine patch calls it; host tensors, nothing on the device): the step's token weights
-   ``c_t`` (:func:`megatron_pg_agg.core.aggregation.token_weights`, the same call as the planner's)
-   over the mini-batch of ALL DP ranks, from one ``all_gather_object`` over the DP group of each
-   row's valid-token count and, for prompt_mean, its ``uid``; the rollout correction
+   ``c_t`` over the mini-batch of ALL DP ranks (:func:`megatron_pg_agg.integrations.step_weights.
+   dp_step_weights`, shared with the AReaL plug-in), with verl's ``uid`` as the prompt group; the rollout correction
    (:func:`megatron_pg_agg.data.planner.rollout_correction`) on the rank's own rows. The result
    travels per token, as fields of the batch laid out like ``response_mask`` (padded or jagged),
    so every micro-batch split carries its tokens' weights; ``W`` and ``D`` travel as non-tensor data.
@@ -34,10 +33,11 @@ from typing import Optional
 
 import torch
 
-from megatron_pg_agg.core.aggregation import TokenWeights, token_weights
+from megatron_pg_agg.core.aggregation import TokenWeights
 from megatron_pg_agg.core.losses import LossPart, PGLossConfig, SequenceStatistic, StepTotals, pg_loss_sum
 from megatron_pg_agg.core.modes import PROMPT_MEAN
-from megatron_pg_agg.core.segments import exclusive_cumsum
+
+from .step_weights import dp_step_weights
 
 COEF = "pg_agg_coef"
 """float32 per response token: c_t of the step (0 outside the numerator)."""
@@ -107,46 +107,6 @@ def _group_ids(data) -> list:
     return [str(u) for u in uids]
 
 
-def _global_layout(local_mask: torch.Tensor, local_numerator: torch.Tensor, lengths: torch.Tensor,
-                   gathered: list, rank: int, grouped: bool):
-    """Every DP rank's rows in one packed layout, groups consecutive (in order of first
-    appearance): this rank's rows with their real masks, the other ranks' rows as ``D_s`` valid
-    tokens (the weights of this rank's tokens depend on nothing else of them). Returns
-    ``(numerator, denominator, cu_seqlens, group_sizes or None, index of this rank's tokens in
-    row order)``."""
-    rows = [(uids[i] if grouped else None, r, i, d)
-            for r, (uids, counts) in enumerate(gathered) for i, d in enumerate(counts)]
-    group_sizes = None
-    if grouped:
-        first = {}
-        for pos, row in enumerate(rows):
-            first.setdefault(row[0], pos)
-        rows.sort(key=lambda row: first[row[0]])  # stable: rank, then row, inside a group
-        group_sizes = []
-        for pos, row in enumerate(rows):
-            if pos and rows[pos - 1][0] == row[0]:
-                group_sizes[-1] += 1
-            else:
-                group_sizes.append(1)
-    local_start = exclusive_cumsum(lengths)
-    num_parts, den_parts, local_at = [], [], {}
-    offset = 0
-    for _, r, i, d in rows:
-        if r == rank:
-            a, b = int(local_start[i]), int(local_start[i + 1])
-            den, num = local_mask[a:b], local_numerator[a:b]
-            local_at[i] = torch.arange(offset, offset + (b - a))
-        else:
-            den = torch.arange(max(d, 1)) < d  # a row with no valid token keeps one (masked) place
-            num = den
-        num_parts.append(num)
-        den_parts.append(den)
-        offset += den.numel()
-    cu = exclusive_cumsum(torch.tensor([p.numel() for p in den_parts], dtype=torch.int64))
-    index = torch.cat([local_at[i] for i in range(len(lengths))]) if len(lengths) else torch.zeros(0, dtype=torch.int64)
-    return torch.cat(num_parts), torch.cat(den_parts), cu, group_sizes, index
-
-
 class VerlPGLoss:
     """verl's ``loss_function(model_output, data, dp_group) -> (loss, metrics)`` for one
     :class:`PGLossConfig` (module docstring). Built once per worker by the plug-in."""
@@ -183,25 +143,14 @@ class VerlPGLoss:
             numerator, weights = correction.numerator_mask, correction.weights
         elif has_verl_is:
             weights = rows.flat(data[VERL_IS_WEIGHTS]).float()
-        grouped = cfg.mode == PROMPT_MEAN
-        starts = exclusive_cumsum(rows.lengths)
-        prefix = exclusive_cumsum(mask.to(torch.int64))
-        counts = (prefix[starts[1:]] - prefix[starts[:-1]]).tolist()  # host tensors: no device sync
-        mine = (_group_ids(data) if grouped else None, counts)
-        if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-            gathered = [None] * torch.distributed.get_world_size(dp_group)
-            torch.distributed.all_gather_object(gathered, mine, group=dp_group)
-            rank = torch.distributed.get_rank(dp_group)
-        else:
-            gathered, rank = [mine], 0
-        num_g, den_g, cu, group_sizes, local = _global_layout(mask, numerator, rows.lengths, gathered, rank, grouped)
-        step = token_weights(num_g, mode=cfg.mode, divisor=cfg.divisor, cu_seqlens=cu, group_sizes=group_sizes,
-                             denominator_mask=den_g)
-        data[COEF] = rows.like(step.coef[local], response_mask)
+        group_ids = _group_ids(data) if cfg.mode == PROMPT_MEAN else None
+        step = dp_step_weights(mask, numerator, rows.lengths, group_ids, mode=cfg.mode, divisor=cfg.divisor,
+                               dp_group=dp_group)
+        data[COEF] = rows.like(step.coef, response_mask)
         data[NUMERATOR] = rows.like(numerator, response_mask)
         if weights is not None:
             data[CORRECTION] = rows.like(weights, response_mask)
-        tu.assign_non_tensor(data, **{PG_WEIGHT: int(step.count.sum()), VALID_TOKENS: int(den_g.sum())})
+        tu.assign_non_tensor(data, **{PG_WEIGHT: step.pg_weight, VALID_TOKENS: step.valid_tokens})
 
     # -- 2. one micro-batch ------------------------------------------------------------------------
     def __call__(self, model_output, data, dp_group=None):

@@ -1,11 +1,11 @@
-"""The verl plug-in's step weights across DP ranks (``verl_loss._global_layout`` + ``token_weights``),
+"""The plug-ins' step weights across DP ranks (``step_weights.global_layout`` + ``token_weights``),
 against the mode formulas written here, without verl: each "rank" sees only its own rows' masks and
 every rank's per-row valid-token counts (what one ``all_gather_object`` gives it)."""
 import pytest
 import torch
 
 from megatron_pg_agg.core.aggregation import token_weights
-from megatron_pg_agg.integrations.verl_loss import _global_layout
+from megatron_pg_agg.integrations.step_weights import dp_step_weights, global_layout
 
 # two DP ranks, rows as (group, response mask); group "b" is split across the ranks, row 2 is empty
 RANKS = [
@@ -19,7 +19,7 @@ def weights_on(rank: int, mode: str, divisor=None):
     lengths = torch.tensor([len(m) for _, m in rows])
     mask = torch.tensor([v for _, m in rows for v in m], dtype=torch.bool)
     gathered = [([g for g, _ in r], [sum(m) for _, m in r]) for r in RANKS]
-    num, den, cu, groups, local = _global_layout(mask, mask, lengths, gathered, rank, mode == "prompt_mean")
+    num, den, cu, groups, local = global_layout(mask, mask, lengths, gathered, rank, mode == "prompt_mean")
     step = token_weights(num, mode=mode, divisor=divisor, cu_seqlens=cu, group_sizes=groups, denominator_mask=den)
     return step.coef[local].tolist(), int(step.count.sum())
 
@@ -48,6 +48,17 @@ def test_seq_mean_token_mean_and_constant_count_every_rank():
 def test_a_step_with_no_valid_token_has_zero_weights():
     lengths = torch.tensor([2, 1])
     mask = torch.zeros(3, dtype=torch.bool)
-    num, den, cu, groups, local = _global_layout(mask, mask, lengths, [(["a", "a"], [0, 0])], 0, True)
+    num, den, cu, groups, local = global_layout(mask, mask, lengths, [(["a", "a"], [0, 0])], 0, True)
     step = token_weights(num, mode="prompt_mean", cu_seqlens=cu, group_sizes=groups, denominator_mask=den)
     assert int(step.count.sum()) == 0 and step.coef[local].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_dp_step_weights_on_one_rank_equals_the_layout_and_token_weights():
+    """The shared entry without a DP group: the same weights as the layout test above on rank 0
+    alone (catches the counts or the local index taken wrongly in dp_step_weights)."""
+    rows = [("a", [1, 1, 0]), ("a", [1]), ("b", [0, 1])]
+    lengths = torch.tensor([len(m) for _, m in rows])
+    mask = torch.tensor([v for _, m in rows for v in m], dtype=torch.bool)
+    step = dp_step_weights(mask, mask, lengths, [g for g, _ in rows], mode="prompt_mean", divisor=None)
+    assert step.pg_weight == 2 and step.valid_tokens == 4
+    assert step.coef.tolist() == f32([1 / 3, 1 / 3, 0.0, 1 / 3, 0.0, 1.0])
