@@ -1,4 +1,4 @@
-"""Optional stacks in the tests (a Megatron-LM checkout, Megatron-Bridge, verl): a test that needs
+"""Optional stacks in the tests (a Megatron-LM checkout, Megatron-Bridge, verl, AReaL): a test that needs
 one skips with the reason on a user's machine, and fails instead where CI sets the stack's
 ``MEGATRON_PG_AGG_REQUIRE_*=1`` (.ci/run installs it there)."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 REQUIRE_MEGATRON_LM = "MEGATRON_PG_AGG_REQUIRE_MEGATRON_LM"
 REQUIRE_BRIDGE = "MEGATRON_PG_AGG_REQUIRE_BRIDGE"
 REQUIRE_VERL = "MEGATRON_PG_AGG_REQUIRE_VERL"
+REQUIRE_AREAL = "MEGATRON_PG_AGG_REQUIRE_AREAL"
 
 
 def require(problem: Optional[str], env: str) -> None:

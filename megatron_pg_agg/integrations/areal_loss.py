@@ -1,0 +1,173 @@
+r"""The objective in AReaL's Megatron engine: step weights before AReaL's splits, AReaL's own loss.
+
+AReaL 1.0.4's actor (``PPOActor._ppo_update``) cuts the rank's batch into ``ppo_n_minibatches``
+optimizer steps and hands each to ``engine.train_batch(mb, loss_fn, loss_weight_fn)``, which cuts
+it again into micro-batches (``mb_spec``: ``n_mbs``, ``max_tokens_per_mb``, the packing algorithm)
+and back-propagates, per micro-batch ``i`` of every DP rank,
+
+    L_i * w_i / W_areal,       w_i = loss_weight_fn(mb_i) = valid tokens of mb_i,   W_areal = sum_i w_i,
+
+with ``L_i = loss_fn(mb_i)`` = AReaL's ``grpo_loss_fn``: a token mean ``sum_t pg_t(A_t) / n_i``
+over the micro-batch's loss mask (``n_i``: its count, or 1). Every policy loss AReaL offers (PPO
+clip, dual clip, the decoupled/proximal form, rejection sampling, SAPO, GSPO) is positively
+homogeneous in the advantage: ``pg_t(k A) = k pg_t(A)`` for ``k > 0`` constant over a sequence.
+So the plug-in keeps AReaL's weight and AReaL's loss, and hands the loss
+
+    A'_t = A_t * k_t,          k_t = c_t * (D / W) * n_i / w_i,
+
+with ``c_t`` and ``W`` the step's token weights (:func:`megatron_pg_agg.integrations.step_weights.
+dp_step_weights`, the same call as every other entry) and ``D = W_areal`` the step's valid tokens.
+Then ``sum_i L_i w_i / W_areal = (1/W) sum_t c_t pg_t = J`` exactly, whatever the micro-batch
+split. ``c_t * D / W`` travels per token (:data:`COEF`, shaped like ``loss_mask``), so AReaL's
+splitting and packing carry it with its token; ``n_i / w_i`` is read from the micro-batch itself.
+
+The numerator: the loss mask hands ``grpo_loss_fn`` the step's numerator (:data:`NUMERATOR`), the
+weight counts the original mask (the filtered-numerator rule). With M2PO (``actor.m2_threshold``)
+the numerator is chosen once over the whole step of every DP rank with AReaL's own
+``_apply_m2po_masking`` (:func:`step_m2po_numerator`), and ``grpo_loss_fn`` is called with
+``m2_threshold=None``, so it does not choose again per micro-batch (AReaL issue #1730).
+
+Prompt groups: AReaL's ``ppo_update`` receives one dict per prompt group (its grouped rollout
+workflow's record, ragged sizes allowed). :func:`tag_groups` marks every token with its group's
+index, and :func:`whole_group_minibatches` cuts the optimizer steps along groups.
+
+Host tensors, once per optimizer step; per micro-batch only tensor arithmetic (no host sync added).
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_pg_agg.core.modes import PROMPT_MEAN
+
+from .step_weights import dp_step_weights
+
+__all__ = ["GROUP", "COEF", "NUMERATOR", "ArealBatchError", "tag_groups", "whole_group_minibatches", "take_rows",
+           "prepare_step", "step_m2po_numerator", "exact_loss_fn"]
+
+GROUP = "pg_agg_group"
+"""int64 per token: the index of the row's prompt group in this rank's ``ppo_update`` list."""
+COEF = "pg_agg_coef"
+"""float32 per token: ``c_t * D / W`` of the step (0 outside the numerator)."""
+NUMERATOR = "pg_agg_numerator"
+"""bool per token: the step's numerator (the loss mask, less M2PO's selection)."""
+
+
+class ArealBatchError(ValueError):
+    """A batch or setting the configured objective cannot be computed on (names the AReaL key)."""
+
+
+def tag_groups(data: list) -> list:
+    """AReaL's per-group records (``ppo_update``'s list, one dict per prompt group), each with
+    :data:`GROUP` per token. Token-shaped on purpose: AReaL's splitters copy any other shape whole
+    into every micro-batch. New dicts; AReaL's are left as they were."""
+    return [{**d, GROUP: torch.full_like(d["attention_mask"], i, dtype=torch.int64)} for i, d in enumerate(data)]
+
+
+def whole_group_minibatches(data: dict, n: int) -> list:
+    """Row indices of ``n`` optimizer steps that hold whole prompt groups, balanced by tokens
+    (longest-processing-time first; ties by group order, so every rank cuts alike): AReaL's own
+    split is by sequence and spreads a group over several steps."""
+    groups = data[GROUP][:, 0].tolist()
+    tokens = data["attention_mask"].sum(1).tolist()
+    members: dict = {}
+    for row, group in enumerate(groups):
+        members.setdefault(group, []).append(row)
+    if n > len(members):
+        raise ArealBatchError(
+            f"actor.ppo_n_minibatches={n} optimizer steps cannot each hold whole prompt groups: this rank has "
+            f"{len(members)} group(s); lower actor.ppo_n_minibatches, or give each DP rank more prompts "
+            f"(train_dataset.batch_size)")
+    totals = sorted(((-sum(tokens[r] for r in rows), order, group) for order, (group, rows) in
+                     enumerate(members.items())))
+    bins = [(0, b, []) for b in range(n)]
+    heapq.heapify(bins)
+    for _, _, group in totals:
+        load, b, assigned = heapq.heappop(bins)
+        assigned.extend(members[group])
+        heapq.heappush(bins, (load + sum(tokens[r] for r in members[group]), b, assigned))
+    return [sorted(assigned) for _, _, assigned in sorted(bins, key=lambda x: x[1])]
+
+
+def take_rows(data: dict, rows: list) -> dict:
+    """The rows ``rows`` of a padded AReaL batch: tensors shaped ``[batch, ...]`` are indexed,
+    everything else is copied (as AReaL's own splitter does)."""
+    batch = data["attention_mask"].shape[0]
+    index = torch.tensor(rows, dtype=torch.long)
+    return {k: (v.index_select(0, index.to(v.device)) if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == batch
+                else v) for k, v in data.items()}
+
+
+def step_m2po_numerator(old_logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor, threshold: float,
+                        dp_group=None) -> torch.Tensor:
+    """M2PO's token selection made once over the step of every DP rank: AReaL's own
+    ``_apply_m2po_masking`` on every rank's valid tokens laid end to end (rank order), this
+    rank's part returned as a mask shaped like ``mask``."""
+    from areal.trainer.ppo.actor import _apply_m2po_masking  # noqa: PLC0415  (AReaL is optional)
+
+    flat = mask.reshape(-1).bool()
+    mine = (old_logp.reshape(-1)[flat].float().cpu(), prox_logp.reshape(-1)[flat].float().cpu())
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        gathered = [None] * torch.distributed.get_world_size(dp_group)
+        torch.distributed.all_gather_object(gathered, mine, group=dp_group)
+        rank = torch.distributed.get_rank(dp_group)
+    else:
+        gathered, rank = [mine], 0
+    old_all = torch.cat([g[0] for g in gathered])
+    prox_all = torch.cat([g[1] for g in gathered])
+    keep = _apply_m2po_masking(old_all, prox_all, torch.ones_like(old_all, dtype=torch.bool), threshold)
+    start = sum(g[0].numel() for g in gathered[:rank])
+    numerator = torch.zeros_like(flat)
+    numerator[flat] = keep[start:start + mine[0].numel()].to(flat.device)
+    return numerator.reshape(mask.shape)
+
+
+def prepare_step(batch: dict, *, mode: str, divisor: Optional[float], m2_threshold: Optional[float] = None,
+                 dp_group=None) -> dict:
+    """One optimizer step's batch of this rank (padded, before ``train_batch`` splits it) with
+    :data:`COEF` and :data:`NUMERATOR` added. Collective over ``dp_group``: every rank calls it for
+    the same step."""
+    if "teacher_logp" in batch:
+        raise ArealBatchError("the batch has 'teacher_logp' (AReaL's distillation term): its own token-mean "
+                              "denominator is not one of the plug-in's objectives; train without it")
+    mask = batch["loss_mask"].bool()
+    rows, width = mask.shape
+    numerator = mask
+    if m2_threshold is not None:
+        prox = batch.get("prox_logp")
+        if prox is None:
+            raise ArealBatchError("actor.m2_threshold needs the proximal log-probs before the step (prox_logp in the "
+                                  "batch: actor.prox_logp_method=recompute or metrics); an approximation from the "
+                                  "current log-probs cannot be selected once per step")
+        numerator = step_m2po_numerator(batch["logprobs"], prox, mask, m2_threshold, dp_group) & mask
+    group_ids = None
+    if mode == PROMPT_MEAN:
+        if GROUP not in batch:
+            raise ArealBatchError(f"prompt_mean needs the prompt groups ({GROUP!r}, set by the plug-in's ppo_update)")
+        rank = torch.distributed.get_rank(dp_group) if dp_group is not None else 0
+        group_ids = [(rank, g) for g in batch[GROUP][:, 0].tolist()]  # groups never span DP ranks in AReaL
+    step = dp_step_weights(mask.reshape(-1).cpu(), numerator.reshape(-1).cpu(),
+                           torch.full((rows,), width, dtype=torch.int64), group_ids, mode=mode, divisor=divisor,
+                           dp_group=dp_group)
+    scale = step.valid_tokens / step.pg_weight if step.pg_weight else 0.0
+    coef = (step.coef * scale).to(torch.float32).reshape(rows, width).to(mask.device)
+    return {**batch, COEF: coef, NUMERATOR: numerator}
+
+
+def exact_loss_fn(loss_fn: Callable) -> Callable:
+    """AReaL's micro-batch loss (``functools.partial(grpo_loss_fn, ...)``) on the advantages
+    scaled by ``k_t`` (module docstring), the step's numerator as its loss mask, and M2PO off (the
+    step chose it). AReaL's engine calls it only on a micro-batch whose weight ``w_i`` is not 0."""
+
+    def loss(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dict, **kwargs: Any) -> torch.Tensor:
+        weight = input_data["loss_mask"].bool().sum()  # w_i, as AReaL's loss_weight_fn counts it
+        numerator = input_data[NUMERATOR].bool()
+        count = numerator.sum().clamp(min=1)  # n_i, as ppo_actor_loss_fn divides by it
+        k = input_data[COEF] * (count / weight)
+        scaled = {**input_data, "advantages": input_data["advantages"] * k, "loss_mask": numerator}
+        return loss_fn(logprobs, entropy, scaled, **{**kwargs, "m2_threshold": None})
+
+    loss.__wrapped__ = loss_fn
+    return loss

@@ -1,0 +1,182 @@
+"""The AReaL plug-in: one line makes AReaL 1.0.4's Megatron actor train the chosen objective exactly.
+
+In the training script, after AReaL's own ``load_expr_config``::
+
+    config, _ = load_expr_config(args, GRPOConfig)
+    use_pg_agg(config, "prompt_mean")          # or "seq_mean", "token_mean", ("constant", 512)
+
+What it does, in AReaL's own terms (docs/areal.md):
+
+* checks ``config`` and refuses, naming the AReaL keys, what the objective cannot be exact under
+  (:func:`config_problems`), before anything is built;
+* writes the mode to ``MEGATRON_PG_AGG_AREAL`` in this process and in every
+  ``config.actor.scheduling_spec[i].env_vars`` (AReaL's own way to reach its engine worker
+  processes and its launcher's trainer processes);
+* makes ``areal.engine.MegatronPPOActor`` this module's :class:`PGAggMegatronPPOActor`, the class
+  AReaL's trainer builds for the Megatron backend. In single-controller mode AReaL sends the class
+  to its workers by its import path, so the workers import this module and read the mode from
+  the environment; nothing else needs to run there.
+
+The actor is AReaL's own, with two methods wrapped: ``ppo_update`` marks each token with its prompt
+group (AReaL hands one dict per group), so the ``areal_actor`` patch cuts the optimizer steps
+along whole groups; ``train_batch`` computes the step's token weights over every DP rank before
+AReaL's engine splits the step, and hands AReaL's own loss the scaled advantages
+(:mod:`megatron_pg_agg.integrations.areal_loss`). AReaL's weight function, micro-batching,
+schedule, optimizer and statistics are its own.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_pg_agg.core.modes import CONSTANT, resolve_mode
+
+ENV = "MEGATRON_PG_AGG_AREAL"
+"""The objective of the AReaL actor: ``<mode>`` or ``constant:<divisor>``."""
+
+
+class ArealConfigError(ValueError):
+    """An AReaL configuration the plug-in refuses (names the keys)."""
+
+
+@dataclass(frozen=True)
+class ArealObjective:
+    """The objective the plug-in trains (one of the project's modes)."""
+
+    mode: str
+    """token_mean, seq_mean, prompt_mean or constant (aliases resolved)."""
+    divisor: Optional[float] = None
+    """constant's L; None for every other mode."""
+
+    def __post_init__(self) -> None:
+        mode, divisor = resolve_mode(self.mode, self.divisor)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "divisor", divisor)
+
+    def encode(self) -> str:
+        return f"{self.mode}:{self.divisor:g}" if self.mode == CONSTANT else self.mode
+
+    @staticmethod
+    def decode(text: str) -> "ArealObjective":
+        mode, _, divisor = text.partition(":")
+        try:
+            return ArealObjective(mode.strip(), float(divisor) if divisor else None)
+        except (TypeError, ValueError) as error:
+            raise ArealConfigError(f"{ENV}={text!r}: {error}") from error
+
+
+def objective_from_env() -> ArealObjective:
+    text = os.environ.get(ENV)
+    if not text:
+        raise ArealConfigError(f"{ENV} is not set: the AReaL actor of megatron_pg_agg needs the objective "
+                               "(call megatron_pg_agg.integrations.areal_plugin.use_pg_agg(config, mode))")
+    return ArealObjective.decode(text)
+
+
+def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step: Optional[int] = None,
+                    dp_size: Optional[int] = None) -> list:
+    """Every reason the plug-in cannot make ``actor_config`` (AReaL's ``PPOActorConfig``) exact,
+    naming AReaL's keys. ``prompts_per_step``/``dp_size``: the step's prompt groups and DP ranks,
+    where known (a rank needs at least one group per optimizer step)."""
+    problems = []
+    n_steps = int(getattr(actor_config, "ppo_n_minibatches", 1))
+    if n_steps < 1:
+        problems.append(f"actor.ppo_n_minibatches={n_steps} must be >= 1")
+    elif prompts_per_step is not None and dp_size:
+        per_rank = prompts_per_step // dp_size
+        if per_rank < n_steps:
+            problems.append(f"actor.ppo_n_minibatches={n_steps} optimizer steps of whole prompt groups need at least "
+                            f"{n_steps} groups per DP rank, but train_dataset.batch_size={prompts_per_step} over "
+                            f"{dp_size} DP rank(s) gives {per_rank}: lower actor.ppo_n_minibatches or raise "
+                            "train_dataset.batch_size")
+    if getattr(actor_config, "enable_tree_training", False):
+        problems.append("actor.enable_tree_training=True: tree training has no per-sequence boundaries in the "
+                        "loss inputs; the plug-in supports packed (non-tree) training")
+    if getattr(actor_config, "m2_threshold", None) is not None and \
+            getattr(actor_config, "prox_logp_method", "recompute") == "loglinear" and \
+            getattr(actor_config, "use_decoupled_loss", False):
+        problems.append("actor.m2_threshold with actor.prox_logp_method=loglinear: M2PO's selection would depend "
+                        "on the current log-probs, so it cannot be made once per step; use recompute or metrics")
+    if getattr(actor_config, "is_critic", False):
+        problems.append("the plug-in is for the actor (is_critic=True)")
+    return problems
+
+
+def _dp_size(config) -> Optional[int]:
+    try:
+        from areal.api.alloc_mode import AllocationMode  # noqa: PLC0415
+
+        return AllocationMode.from_str(config.allocation_mode).train.dp_size
+    except Exception:  # noqa: BLE001  (an allocation this AReaL cannot parse: checked per step instead)
+        return None
+
+
+def use_pg_agg(config, mode: str, divisor: Optional[float] = None) -> ArealObjective:
+    """Turn the plug-in on for an AReaL run configured by ``config`` (AReaL's ``GRPOConfig`` /
+    ``PPOConfig``, as ``load_expr_config`` returns it). Raises :class:`ArealConfigError` naming
+    every refused key; on success nothing else needs to change. Returns the objective."""
+    objective = ArealObjective(mode, divisor)
+    dataset = getattr(config, "train_dataset", None)
+    problems = config_problems(config.actor, objective, prompts_per_step=getattr(dataset, "batch_size", None),
+                               dp_size=_dp_size(config))
+    if problems:
+        raise ArealConfigError("megatron_pg_agg refuses this AReaL configuration:\n- " + "\n- ".join(problems))
+    encoded = objective.encode()
+    os.environ[ENV] = encoded
+    for spec in getattr(config.actor, "scheduling_spec", None) or ():
+        spec.env_vars[ENV] = encoded
+    import areal.engine  # noqa: PLC0415
+
+    areal.engine.MegatronPPOActor = actor_class()
+    return objective
+
+
+def actor_class():
+    """:class:`PGAggMegatronPPOActor`, built on first use (AReaL is an optional extra)."""
+    if "PGAggMegatronPPOActor" in globals():
+        return globals()["PGAggMegatronPPOActor"]
+    from areal.engine.megatron_engine import MegatronPPOActor  # noqa: PLC0415
+    from megatron.core import parallel_state as mpu  # noqa: PLC0415
+
+    from megatron_pg_agg.patches import areal_actor  # noqa: PLC0415
+    from megatron_pg_agg.patches._machinery import apply as apply_patch  # noqa: PLC0415
+
+    from .areal_loss import GROUP, exact_loss_fn, prepare_step, tag_groups  # noqa: PLC0415
+
+    class PGAggMegatronPPOActor(MegatronPPOActor):
+        """AReaL's ``MegatronPPOActor`` training megatron_pg_agg's objective (module docstring)."""
+
+        def __init__(self, config, *args, **kwargs):
+            self.pg_agg_objective = objective_from_env()
+            problems = config_problems(config, self.pg_agg_objective)
+            if problems:
+                raise ArealConfigError("megatron_pg_agg refuses this AReaL actor:\n- " + "\n- ".join(problems))
+            apply_patch(areal_actor.PATCH)
+            super().__init__(config, *args, **kwargs)
+
+        def ppo_update(self, data, *args, **kwargs):
+            if not isinstance(data, list):
+                raise ArealConfigError("ppo_update needs AReaL's per-group records (a list of dicts, one per prompt "
+                                       f"group); got {type(data).__name__}")
+            return super().ppo_update(tag_groups(data), *args, **kwargs)
+
+        def train_batch(self, input_, loss_fn, loss_weight_fn):
+            if not (isinstance(input_, dict) and GROUP in input_):  # not one of the actor's PPO steps
+                return super().train_batch(input_, loss_fn, loss_weight_fn)
+            objective = self.pg_agg_objective
+            batch = prepare_step(input_, mode=objective.mode, divisor=objective.divisor,
+                                 m2_threshold=self.actor.m2_threshold, dp_group=mpu.get_data_parallel_group())
+            return super().train_batch(batch, exact_loss_fn(loss_fn), loss_weight_fn)
+
+    PGAggMegatronPPOActor.__module__ = __name__
+    PGAggMegatronPPOActor.__qualname__ = "PGAggMegatronPPOActor"
+    globals()["PGAggMegatronPPOActor"] = PGAggMegatronPPOActor
+    return PGAggMegatronPPOActor
+
+
+def __getattr__(name: str):
+    # AReaL's single-controller workers import the actor class by this module's path
+    if name == "PGAggMegatronPPOActor":
+        return actor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

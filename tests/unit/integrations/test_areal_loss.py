@@ -1,0 +1,268 @@
+"""The AReaL plug-in's step weights and loss on AReaL 1.0.4's own functions, one rank.
+
+AReaL's optimizer-step split (the ``areal_actor`` patch's whole-group steps), its micro-batch
+splitter (``split_padded_tensor_dict_into_mb_list``: FFD or Karmarkar-Karp, counts and token caps),
+its packing (``pack_tensor_dict``) and its loss (``grpo_loss_fn``) run as AReaL's engine runs them,
+with the engine's formula written out: micro-batch i back-propagates ``L_i * w_i / W``,
+``w_i = loss_mask.count_nonzero()``, ``W = sum_i w_i``. The expected objective and gradient (with
+respect to the current log-probs) come from the mode formulas written here, on a PPO-clip loss
+written here (no package code), in float64. AReaL's statistics take float32 only, so its loss runs
+in float32: the tolerances are float32's (1e-6 of max(|J|, 0.01) for J, 1e-5 for the gradient).
+The multi-rank and engine cases: tests/distributed/test_areal.py.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+import torch
+
+from tests.support.optional import REQUIRE_AREAL, require
+
+GROUPS = (3, 2, 4, 3)  # responses per prompt group (ragged)
+EPS = 0.2
+DIVISOR = 6.0
+
+
+def _areal():
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+
+
+def make_batch(seed: int = 0):
+    """A padded AReaL batch of one rank: prompts then responses, loss_mask on response tokens (one
+    response fully masked, one with a masked token), advantages per token, old and current
+    log-probs near each other so that the clip is partly active."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for group, size in enumerate(GROUPS):
+        for _ in range(size):
+            prompt = int(torch.randint(1, 4, (), generator=g))
+            response = int(torch.randint(1, 7, (), generator=g))
+            rows.append((group, prompt, response))
+    width = max(p + r for _, p, r in rows)
+    bs = len(rows)
+    attention = torch.zeros(bs, width, dtype=torch.bool)
+    loss_mask = torch.zeros(bs, width, dtype=torch.float64)
+    for i, (_, p, r) in enumerate(rows):
+        attention[i, :p + r] = True
+        loss_mask[i, p:p + r] = 1.0
+    loss_mask[4] = 0.0  # a fully masked response
+    loss_mask[1, rows[1][1]] = 0.0  # a masked token
+    old = -torch.rand(bs, width, generator=g, dtype=torch.float64) * 2 - 0.5
+    current = old + 0.3 * torch.randn(bs, width, generator=g, dtype=torch.float64)
+    data = {
+        "input_ids": torch.randint(0, 50, (bs, width), generator=g) * attention,
+        "attention_mask": attention,
+        "loss_mask": loss_mask * attention,
+        "logprobs": old * attention,
+        "prox_logp": old * attention,  # what compute_advantages sets without the decoupled loss
+        "advantages": torch.randn(bs, width, generator=g, dtype=torch.float64) * attention,
+        "pg_agg_group": torch.tensor([grp for grp, _, _ in rows]).unsqueeze(1).expand(bs, width).clone(),
+    }
+    data = {k: (v.float() if v.dtype == torch.float64 else v) for k, v in data.items()}
+    return data, (current * attention).float(), rows
+
+
+def reference(data, current, rows, mode: str, numerator=None):
+    """J of the whole step from the formulas: pg_t = -min(A r, A clip(r)), r = exp(logp - prox),
+    summed over ``numerator`` (default: the loss mask), divided by the units of the loss mask."""
+    mask = data["loss_mask"].bool()
+    numerator = mask if numerator is None else numerator
+    ratio = torch.exp(current.double() - data["prox_logp"].double())
+    adv = data["advantages"].double()
+    pg = -torch.min(adv * ratio, adv * ratio.clamp(1 - EPS, 1 + EPS))
+    per_row = (pg * numerator).sum(1)
+    counts = mask.sum(1)
+    active = counts > 0
+    if mode == "token_mean":
+        return per_row.sum() / counts.sum()
+    if mode == "seq_mean":
+        return (per_row[active] / counts[active]).sum() / active.sum()
+    if mode == "constant":
+        return per_row.sum() / (active.sum() * DIVISOR)
+    groups = torch.tensor([grp for grp, _, _ in rows])
+    total = 0.0
+    n_groups = 0
+    for grp in groups.unique():
+        tokens = counts[groups == grp].sum()
+        if tokens > 0:
+            total = total + per_row[groups == grp].sum() / tokens
+            n_groups += 1
+    return total / n_groups
+
+
+def engine_objective(data, current, mode, *, n_steps, mb_spec, loss=None, m2_threshold=None, plugin=True):
+    """The plug-in's objective under AReaL's splits and the engine's arithmetic, summed over the
+    optimizer steps (each step's share of J; the steps here all start from the same weights)."""
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.trainer.ppo.actor import grpo_loss_fn
+    from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
+
+    from megatron_pg_agg.integrations.areal_loss import exact_loss_fn, prepare_step, take_rows, whole_group_minibatches
+
+    loss = loss or functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None)
+    data = {**data, "_current": current}
+    total = 0.0
+    for rows in whole_group_minibatches(data, n_steps):
+        step = take_rows(data, rows)
+        if plugin:
+            step = prepare_step(step, mode=mode, divisor=DIVISOR if mode == "constant" else None,
+                                m2_threshold=m2_threshold)
+        mbs = split_padded_tensor_dict_into_mb_list(step, MicroBatchSpec(**mb_spec)).mbs
+        packed = [pack_tensor_dict(mb) for mb in mbs]
+        weights = [mb["loss_mask"].count_nonzero() for mb in packed]
+        W = sum(weights)
+        wrapped = exact_loss_fn(loss) if plugin else loss
+        for mb, w in zip(packed, weights):
+            if w == 0:  # the engine skips a micro-batch of weight 0 (output.mean() * 0)
+                continue
+            logp = mb.pop("_current")
+            total = total + wrapped(logp, torch.zeros_like(logp), mb) * w / W
+    return total
+
+
+SPLITS = [
+    dict(n_mbs=1),
+    dict(n_mbs=3),
+    dict(n_mbs=2, max_tokens_per_mb=12),
+    dict(n_mbs=1, max_tokens_per_mb=9, packing_algorithm="kk"),
+]
+
+
+@pytest.mark.optional_stack
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean", "constant"])
+def test_every_split_gives_the_reference_objective_and_gradient(mode):
+    """One optimizer step (ppo_n_minibatches=1) under four micro-batch splits: J and dJ/dlogp equal
+    the float64 formulas to float32 rounding. Catches a wrong c_t, the D/W scale, n_i/w_i inverted, or the
+    numerator not handed to AReaL's loss."""
+    _areal()
+    data, current, rows = make_batch()
+    ref_current = current.detach().double().requires_grad_(True)
+    expected = reference(data, ref_current, rows, mode)
+    (ref_grad,) = torch.autograd.grad(expected, ref_current)
+    for spec in SPLITS:
+        mine = current.detach().requires_grad_(True)
+        got = engine_objective(data, mine, mode, n_steps=1, mb_spec=spec)
+        (grad,) = torch.autograd.grad(got, mine)
+        assert abs(float(got) - float(expected)) <= 1e-6 * max(abs(float(expected)), 0.01), (mode, spec)
+        assert float((grad.double() - ref_grad).norm()) <= 1e-5 * float(ref_grad.norm()), (mode, spec)
+
+
+@pytest.mark.optional_stack
+def test_the_naive_swap_and_stock_token_mean_differ_as_expected():
+    """Controls: AReaL's stock loss (no plug-in) is the token mean under every split, and a
+    seq-mean computed per micro-batch under AReaL's token weight (the loss alone swapped) is not
+    the seq mean once a step has several micro-batches (the plug-in's test above is, under the
+    same splits)."""
+    _areal()
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.trainer.ppo.actor import grpo_loss_fn
+    from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
+
+    data, current, rows = make_batch()
+    loss = functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None)
+
+    def stock(spec, per_sequence=False):
+        mbs = [pack_tensor_dict(mb) for mb in split_padded_tensor_dict_into_mb_list(
+            {**data, "_current": current}, MicroBatchSpec(**spec)).mbs]
+        weights = [mb["loss_mask"].count_nonzero() for mb in mbs]
+        total = 0.0
+        for mb, w in zip(mbs, weights):
+            logp = mb.pop("_current")
+            if w == 0:
+                continue
+            if per_sequence:  # the naive swap: a seq-mean of this micro-batch's sequences
+                cu = mb["cu_seqlens"].tolist()
+                seqs = [(a, b) for a, b in zip(cu, cu[1:]) if mb["loss_mask"][a:b].sum() > 0]
+                parts = [loss(logp[a:b], logp[a:b] * 0, {k: (v[a:b] if torch.is_tensor(v) and v.dim() == 1 and
+                                                             v.shape[0] == logp.shape[0] else v)
+                                                         for k, v in mb.items()}) for a, b in seqs]
+                value = sum(parts) / len(parts)
+            else:
+                value = loss(logp, logp * 0, mb)
+            total = total + value * w / sum(weights)
+        return total
+
+    token = reference(data, current, rows, "token_mean")
+    seq = reference(data, current, rows, "seq_mean")
+    for spec in SPLITS:
+        assert abs(float(stock(spec)) - float(token)) <= 1e-6 * max(abs(float(token)), 0.01)
+    naive = [float(stock(spec, per_sequence=True)) for spec in SPLITS]
+    # with one micro-batch the naive swap is the seq mean; cut into several it is not, and it moves
+    assert abs(naive[0] - float(seq)) <= 1e-6 * abs(float(seq))
+    assert min(abs(n - float(seq)) for n in naive[1:]) > 1e-3 * abs(float(seq)), naive
+    assert max(naive) - min(naive) > 1e-3 * abs(float(seq))
+
+
+@pytest.mark.optional_stack
+@pytest.mark.parametrize("n_steps", [2, 3])
+def test_optimizer_steps_hold_whole_groups(n_steps):
+    """ppo_n_minibatches > 1: every group lies in one step (the patch's split), every row in
+    exactly one, and prompt_mean summed over the steps is the sum of each step's own reference.
+    Catches a group cut across steps (AReaL's own FFD split cuts 2 of 4 here)."""
+    _areal()
+    from megatron_pg_agg.integrations.areal_loss import take_rows, whole_group_minibatches
+
+    data, current, rows = make_batch()
+    steps = whole_group_minibatches(data, n_steps)
+    assert sorted(r for s in steps for r in s) == list(range(len(rows)))
+    for s in steps:
+        groups = {rows[r][0] for r in s}
+        assert all(sum(1 for r in s if rows[r][0] == grp) == GROUPS[grp] for grp in groups)
+    expected = sum(reference(take_rows(data, s), current[s], [rows[r] for r in s], "prompt_mean") for s in steps)
+    got = engine_objective(data, current, "prompt_mean", n_steps=n_steps, mb_spec=dict(n_mbs=2))
+    assert abs(float(got) - float(expected)) <= 1e-6 * max(abs(float(expected)), 0.01)
+
+
+@pytest.mark.optional_stack
+def test_more_steps_than_groups_is_refused_naming_the_key():
+    _areal()
+    from megatron_pg_agg.integrations.areal_loss import ArealBatchError, whole_group_minibatches
+
+    data, _, _ = make_batch()
+    with pytest.raises(ArealBatchError, match="actor.ppo_n_minibatches=5.*4 group"):
+        whole_group_minibatches(data, 5)
+
+
+M2 = 0.02
+
+
+@pytest.mark.optional_stack
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean", "constant"])
+def test_m2po_is_chosen_once_per_step_and_exact_under_every_split(mode):
+    """M2PO on (actor.m2_threshold): the tokens it drops are chosen once over the step (AReaL's own
+    _apply_m2po_masking on the whole step) and leave the numerator only (the filtered-numerator
+    rule); every split then gives that objective. Control: AReaL's stock M2PO, chosen per
+    micro-batch and divided by the kept count, moves with the split (AReaL issue #1730). Catches
+    the selection made per micro-batch, n_i / w_i inverted or dropped, or the dropped tokens taken
+    out of the denominator."""
+    _areal()
+    from areal.trainer.ppo.actor import _apply_m2po_masking, grpo_loss_fn
+
+    data, current, rows = make_batch(seed=3)
+    g = torch.Generator().manual_seed(5)
+    noise = 0.3 * torch.randn(data["logprobs"].shape, generator=g)
+    data["prox_logp"] = data["logprobs"] + noise * data["attention_mask"]
+    keep = _apply_m2po_masking(data["logprobs"], data["prox_logp"], data["loss_mask"].bool(), M2)
+    dropped = int((data["loss_mask"].bool() & ~keep).sum())
+    assert 0 < dropped < int(data["loss_mask"].sum()) // 2, dropped  # the selection is active, not total
+    ref_current = current.detach().double().requires_grad_(True)
+    expected = reference(data, ref_current, rows, mode, numerator=keep)
+    (ref_grad,) = torch.autograd.grad(expected, ref_current)
+    loss = functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None, m2_threshold=M2)
+    for spec in SPLITS:
+        mine = current.detach().requires_grad_(True)
+        got = engine_objective(data, mine, mode, n_steps=1, mb_spec=spec, loss=loss, m2_threshold=M2)
+        (grad,) = torch.autograd.grad(got, mine)
+        assert abs(float(got) - float(expected)) <= 1e-6 * max(abs(float(expected)), 0.01), (mode, spec)
+        assert float((grad.double() - ref_grad).norm()) <= 1e-5 * float(ref_grad.norm()), (mode, spec)
+    if mode == "token_mean":  # the control: AReaL's own M2PO, the same batch and splits
+        stock = []
+        for spec in SPLITS:
+            mine = current.detach().requires_grad_(True)
+            value = engine_objective(data, mine, mode, n_steps=1, mb_spec=spec, loss=loss, plugin=False)
+            stock.append(torch.autograd.grad(value, mine)[0].double())
+        moved = max(float((s - stock[0]).norm()) / float(stock[0].norm()) for s in stock[1:])
+        assert moved > 1e-2, moved
+        print(f"AReaL's stock M2PO: gradient moved by up to {moved:.1%} with the split alone")
