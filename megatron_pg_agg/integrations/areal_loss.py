@@ -45,7 +45,7 @@ from megatron_pg_agg.core.modes import PROMPT_MEAN
 from .step_weights import dp_step_weights
 
 __all__ = ["GROUP", "COEF", "NUMERATOR", "ArealBatchError", "tag_groups", "whole_group_minibatches", "take_rows",
-           "prepare_step", "step_m2po_numerator", "exact_loss_fn"]
+           "prepare_step", "step_m2po_numerator", "exact_loss_fn", "ResponseGroupBaseline"]
 
 GROUP = "pg_agg_group"
 """int64 per token: the index of the row's prompt group in this rank's ``ppo_update`` list."""
@@ -171,3 +171,45 @@ def exact_loss_fn(loss_fn: Callable) -> Callable:
 
     loss.__wrapped__ = loss_fn
     return loss
+
+
+class ResponseGroupBaseline:
+    """GRPO's group baseline, per response: in each prompt group, a response's value ``v_i`` is the
+    mean advantage over its valid tokens (its scaled reward when the advantages are GRPO's: no
+    critic, discount and GAE lambda 1, no KL in the reward), and every valid token gets
+
+        A_t - mean_i v_i                       (``std=False``; Dr. GRPO)
+        (A_t - mean_i v_i) / (std_i v_i + eps)  (``std=True``; GRPO)
+
+    with the mean and std over the group's responses that have a valid token, each counted once.
+    AReaL's own group normalisation (``actor.adv_norm`` with ``mean_level: group``) weights every
+    token instead, so a long response pulls the baseline toward its own reward: rewards 1 and 0 on
+    responses of 1 and 3 tokens give 0.25 there, 0.5 here. Used in place of AReaL's ``adv_norm``
+    (same call signature); ``group_sizes`` are the rows of each group, in order, set per batch."""
+
+    def __init__(self, *, std: bool, eps: float = 1e-5, unbiased: bool = True):
+        self.std, self.eps, self.unbiased = std, eps, unbiased
+        self.group_sizes: Optional[list] = None
+
+    @torch.no_grad()
+    def __call__(self, advantages: torch.Tensor, loss_mask: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.group_sizes is None or sum(self.group_sizes) != advantages.shape[0]:
+            raise ArealBatchError(f"the response group baseline needs the batch's groups: {self.group_sizes} for "
+                                  f"{advantages.shape[0]} rows")
+        mask = loss_mask.bool()
+        counts = mask.sum(1)
+        values = (advantages * mask).sum(1) / counts.clamp(min=1)
+        out = torch.zeros_like(advantages)
+        start = 0
+        for size in self.group_sizes:
+            rows = slice(start, start + size)
+            start += size
+            active = values[rows][counts[rows] > 0]
+            if active.numel() == 0:
+                continue
+            centred = advantages[rows] - active.mean()
+            if self.std:
+                spread = active.std(unbiased=self.unbiased) if active.numel() > 1 else active.new_zeros(())
+                centred = centred / (spread + self.eps)
+            out[rows] = centred * mask[rows]
+        return out

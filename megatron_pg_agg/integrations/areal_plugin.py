@@ -33,7 +33,9 @@ from typing import Optional
 from megatron_pg_agg.core.modes import CONSTANT, resolve_mode
 
 ENV = "MEGATRON_PG_AGG_AREAL"
-"""The objective of the AReaL actor: ``<mode>`` or ``constant:<divisor>``."""
+"""The objective of the AReaL actor: ``<mode>`` or ``constant:<divisor>``, optionally followed by
+``;group_baseline=response_mean`` or ``;group_baseline=response_mean_std``."""
+GROUP_BASELINES = (None, "response_mean", "response_mean_std")
 
 
 class ArealConfigError(ValueError):
@@ -48,20 +50,31 @@ class ArealObjective:
     """token_mean, seq_mean, prompt_mean or constant (aliases resolved)."""
     divisor: Optional[float] = None
     """constant's L; None for every other mode."""
+    group_baseline: Optional[str] = None
+    """None: AReaL's own ``actor.adv_norm``; ``response_mean`` (Dr. GRPO) or ``response_mean_std``
+    (GRPO): the group baseline per response (:class:`~megatron_pg_agg.integrations.areal_loss.
+    ResponseGroupBaseline`) in its place."""
 
     def __post_init__(self) -> None:
         mode, divisor = resolve_mode(self.mode, self.divisor)
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "divisor", divisor)
+        if self.group_baseline not in GROUP_BASELINES:
+            raise ValueError(f"group_baseline={self.group_baseline!r}: one of {list(GROUP_BASELINES)}")
 
     def encode(self) -> str:
-        return f"{self.mode}:{self.divisor:g}" if self.mode == CONSTANT else self.mode
+        text = f"{self.mode}:{self.divisor:g}" if self.mode == CONSTANT else self.mode
+        return text + (f";group_baseline={self.group_baseline}" if self.group_baseline else "")
 
     @staticmethod
     def decode(text: str) -> "ArealObjective":
-        mode, _, divisor = text.partition(":")
+        objective, _, option = text.partition(";")
+        mode, _, divisor = objective.partition(":")
+        key, _, baseline = option.partition("=")
         try:
-            return ArealObjective(mode.strip(), float(divisor) if divisor else None)
+            if option and key.strip() != "group_baseline":
+                raise ValueError(f"unknown option {option!r} (group_baseline=...)")
+            return ArealObjective(mode.strip(), float(divisor) if divisor else None, baseline.strip() or None)
         except (TypeError, ValueError) as error:
             raise ArealConfigError(f"{ENV}={text!r}: {error}") from error
 
@@ -112,11 +125,16 @@ def _dp_size(config) -> Optional[int]:
         return None
 
 
-def use_pg_agg(config, mode: str, divisor: Optional[float] = None) -> ArealObjective:
+def use_pg_agg(config, mode: str, divisor: Optional[float] = None, *,
+               group_baseline: Optional[str] = None) -> ArealObjective:
     """Turn the plug-in on for an AReaL run configured by ``config`` (AReaL's ``GRPOConfig`` /
-    ``PPOConfig``, as ``load_expr_config`` returns it). Raises :class:`ArealConfigError` naming
-    every refused key; on success nothing else needs to change. Returns the objective."""
-    objective = ArealObjective(mode, divisor)
+    ``PPOConfig``, as ``load_expr_config`` returns it). ``group_baseline``: see
+    :attr:`ArealObjective.group_baseline`. Raises :class:`ArealConfigError` naming every refused
+    key; on success nothing else needs to change. Returns the objective."""
+    try:
+        objective = ArealObjective(mode, divisor, group_baseline)
+    except (TypeError, ValueError) as error:
+        raise ArealConfigError(str(error)) from error
     dataset = getattr(config, "train_dataset", None)
     problems = config_problems(config.actor, objective, prompts_per_step=getattr(dataset, "batch_size", None),
                                dp_size=_dp_size(config))
@@ -142,7 +160,7 @@ def actor_class():
     from megatron_pg_agg.patches import areal_actor  # noqa: PLC0415
     from megatron_pg_agg.patches._machinery import apply as apply_patch  # noqa: PLC0415
 
-    from .areal_loss import GROUP, exact_loss_fn, prepare_step, tag_groups  # noqa: PLC0415
+    from .areal_loss import GROUP, ResponseGroupBaseline, exact_loss_fn, prepare_step, tag_groups  # noqa: PLC0415
 
     class PGAggMegatronPPOActor(MegatronPPOActor):
         """AReaL's ``MegatronPPOActor`` training megatron_pg_agg's objective (module docstring)."""
@@ -154,6 +172,26 @@ def actor_class():
                 raise ArealConfigError("megatron_pg_agg refuses this AReaL actor:\n- " + "\n- ".join(problems))
             apply_patch(areal_actor.PATCH)
             super().__init__(config, *args, **kwargs)
+            self.pg_agg_baseline = None
+            if self.pg_agg_objective.group_baseline is not None:
+                norm = getattr(config, "adv_norm", None)  # AReaL's eps and std convention, where it has them
+                self.pg_agg_baseline = ResponseGroupBaseline(
+                    std=self.pg_agg_objective.group_baseline == "response_mean_std",
+                    eps=getattr(norm, "eps", 1e-5), unbiased=getattr(norm, "std_unbiased", True))
+
+        def compute_advantages(self, data, *args, **kwargs):
+            baseline = self.pg_agg_baseline
+            if baseline is None:
+                return super().compute_advantages(data, *args, **kwargs)
+            if not isinstance(data, list):
+                raise ArealConfigError("group_baseline needs AReaL's per-group records in compute_advantages (a list "
+                                       f"of dicts, one per prompt group); got {type(data).__name__}")
+            baseline.group_sizes = [d["attention_mask"].shape[0] for d in data]  # concat_batch keeps this order
+            own, self.actor.adv_norm = self.actor.adv_norm, baseline
+            try:
+                return super().compute_advantages(data, *args, **kwargs)
+            finally:
+                self.actor.adv_norm, baseline.group_sizes = own, None
 
         def ppo_update(self, data, *args, **kwargs):
             if not isinstance(data, list):

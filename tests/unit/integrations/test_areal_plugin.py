@@ -1,0 +1,100 @@
+"""The AReaL plug-in's settings, start-up refusals and group baseline, without AReaL's engine (the
+baseline's control uses AReaL's own ``Normalization`` where AReaL is installed)."""
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_pg_agg.integrations.areal_loss import ResponseGroupBaseline
+from megatron_pg_agg.integrations.areal_plugin import (
+    ENV,
+    ArealConfigError,
+    ArealObjective,
+    config_problems,
+    objective_from_env,
+)
+from tests.support.optional import REQUIRE_AREAL, require
+
+
+def _one_and_three():
+    """A group of two responses of 1 and 3 tokens with rewards 1 and 0 (GRPO's advantages before the
+    baseline: the reward on every valid token), after a prompt of 2 tokens."""
+    mask = torch.tensor([[0, 0, 1, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    return mask * torch.tensor([[1.0], [0.0]]), mask
+
+
+def test_the_response_baseline_counts_each_response_once():
+    """The issue's example: the baseline is 0.5 (GRPO's), not AReaL's token-weighted 0.25; with
+    the std (unbiased, of [1, 0]: 0.7071) the two responses get +-0.7071. Catches a token-weighted
+    mean or a biased std."""
+    adv, mask = _one_and_three()
+    mean_only = ResponseGroupBaseline(std=False)
+    mean_only.group_sizes = [2]
+    out = mean_only(adv, mask)
+    assert out.tolist() == [[0, 0, 0.5, 0, 0], [0, 0, -0.5, -0.5, -0.5]]
+    with_std = ResponseGroupBaseline(std=True, eps=0.0)
+    with_std.group_sizes = [2]
+    expected = 0.5 / (0.5 ** 0.5)
+    assert torch.allclose(with_std(adv, mask),
+                          torch.tensor([[0, 0, expected, 0, 0], [0, 0, -expected, -expected, -expected]]))
+
+
+def test_ragged_groups_are_normalised_apart_and_an_empty_response_is_not_counted():
+    """Groups of 3 and 2 rows (ragged, from AReaL's per-group records); the third response of the
+    first group has no valid token: it is neither counted nor changed."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+    rewards = torch.tensor([[2.0], [4.0], [9.0], [1.0], [3.0]])
+    base = ResponseGroupBaseline(std=False)
+    base.group_sizes = [3, 2]
+    out = base(mask * rewards, mask)
+    assert out.tolist() == [[-1, -1, 0], [1, 0, 0], [0, 0, 0], [-1, -1, -1], [1, 0, 0]]
+    base.group_sizes = [2, 2]
+    with pytest.raises(ValueError, match="needs the batch's groups"):
+        base(mask * rewards, mask)
+
+
+@pytest.mark.optional_stack
+def test_control_areals_own_group_normalisation_is_token_weighted():
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+    from areal.api.cli_args import NormConfig
+    from areal.utils.data import Normalization
+
+    adv, mask = _one_and_three()
+    theirs = Normalization(NormConfig(mean_level="group", std_level=None, group_size=2))(adv, mask)
+    assert torch.allclose(theirs[0, 2], torch.tensor(0.75)) and torch.allclose(theirs[1, 2:], torch.tensor(-0.25))
+
+
+def test_objective_round_trips_through_the_environment(monkeypatch):
+    for objective in (ArealObjective("prompt_mean"), ArealObjective("constant", 512),
+                      ArealObjective("seq_mean", group_baseline="response_mean_std")):
+        monkeypatch.setenv(ENV, objective.encode())
+        assert objective_from_env() == objective
+    assert ArealObjective("constant", 512).encode() == "constant:512"
+    monkeypatch.setenv(ENV, "constant")
+    with pytest.raises(ArealConfigError, match="needs divisor"):
+        objective_from_env()
+    monkeypatch.setenv(ENV, "token_mean;baseline=grpo")
+    with pytest.raises(ArealConfigError, match="unknown option"):
+        objective_from_env()
+    monkeypatch.delenv(ENV)
+    with pytest.raises(ArealConfigError, match="use_pg_agg"):
+        objective_from_env()
+    with pytest.raises(ValueError, match="group_baseline='token'"):
+        ArealObjective("token_mean", group_baseline="token")
+
+
+def test_start_up_refusals_name_the_areal_keys():
+    """A step shape that would cut a group, tree training, M2PO with a log-linear proximal
+    approximation: each refused naming AReaL's keys; a shape that fits is not."""
+    actor = SimpleNamespace(ppo_n_minibatches=4, enable_tree_training=False, m2_threshold=None)
+    objective = ArealObjective("prompt_mean")
+    assert config_problems(actor, objective, prompts_per_step=8, dp_size=2) == []
+    (problem,) = config_problems(actor, objective, prompts_per_step=6, dp_size=2)
+    assert "actor.ppo_n_minibatches=4" in problem and "train_dataset.batch_size=6" in problem and "gives 3" in problem
+    tree = SimpleNamespace(ppo_n_minibatches=1, enable_tree_training=True)
+    assert "actor.enable_tree_training=True" in config_problems(tree, objective)[0]
+    m2 = SimpleNamespace(ppo_n_minibatches=1, m2_threshold=0.04, prox_logp_method="loglinear", use_decoupled_loss=True)
+    assert "actor.m2_threshold with actor.prox_logp_method=loglinear" in config_problems(m2, objective)[0]
