@@ -19,7 +19,7 @@ import sys
 import torch
 
 from megatron_pg_agg.training.args import add_pg_agg_args, config_from_args
-from megatron_pg_agg.training.logs import ALL_RANKS, setup_logging
+from megatron_pg_agg.training.logs import setup_logging
 from megatron_pg_agg.training.run_config import StartupError
 from megatron_pg_agg.training.worker_process import quiet_startup_noise, release_process_group
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         except HFFolderError as err:  # missing or extra tensors, found once the model's names are known
             raise StartupError(str(err)) from err
     except StartupError as err:
-        logger.error(str(err), extra=ALL_RANKS)
+        logger.error(str(err))  # the same on every rank: rank 0 prints it, every rank exits 2
         release_process_group()
         return 2
     release_process_group()

@@ -1,5 +1,6 @@
 """The trainer's command line (``launch/train_actor.py``): parse, run, and map each way a run ends
-to its exit status (0 done, 2 refused at start-up, 3 stopped on a non-finite step)."""
+to its exit status (0 done, 2 refused at start-up, 3 stopped on a non-finite step). Under torchrun
+the shell sees torchrun's own status (1) and its ChildFailedError report after the project's line."""
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,9 @@ def main(argv=None) -> int:
     try:
         train(RunConfig.from_args(namespace))
     except StartupError as err:
-        logger.error(str(err), extra=ALL_RANKS)  # refused before any process group (or the HF weights' names)
+        # every rank reaches the same refusal (the checks read the same flags, files and gathered
+        # names), so rank 0 alone prints it; every rank exits 2
+        logger.error(str(err))
         release_process_group()
         return 2
     except NonFiniteStepError as err:

@@ -113,6 +113,19 @@ def test_invalid_runs_are_refused_before_any_process_group(refusals, name):
     assert "world=" not in out  # the run never started
 
 
+def test_a_refusal_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_path):
+    """Two ranks refuse the same flags: the project's line appears once (rank 0 speaks), both
+    ranks exit 2, and what the shell sees is torchrun's own status 1 and its report, as
+    docs/failure-modes.md says. A real torchrun (fresh): its report is what is checked. Catches
+    the refusal logged on every rank again, or a rank exiting with another status."""
+    rc, out, _ = run(torchrun(2, TRAIN, "--bf16", "--metrics-file", tmp_path / "m.jsonl"),
+                     240, "refused under torchrun", fresh=True)
+    assert rc == 1, out[-5000:]
+    assert out.count("[train] refusing to start:") == 1, out[-5000:]
+    assert "ChildFailedError" in out and out.count("exitcode  : 2") == 2, out[-5000:]
+    assert not (tmp_path / "m.jsonl").exists()
+
+
 def test_two_loopback_nodes_train_like_one_node(tmp_path):
     one = tmp_path / "one.jsonl"
     rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", 6, "--metrics-file", one), 300, "one node")
