@@ -17,9 +17,9 @@ most); a plan's error is raised by the iteration that needs it, as without plan-
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -50,7 +50,7 @@ from megatron_pg_agg.megatron.step import StepGroups, StepResult, run_pg_step
 from megatron_pg_agg.patches import apply_megatron_patches
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .metrics import MetricsLog
+from .metrics import MetricsLog, new_run_id, run_start_record
 from .rollout_steps import load_steps
 from .run_config import RunConfig, StartupError
 from .worker_process import die_with_launcher
@@ -89,6 +89,8 @@ class RunState:
     """Iterations done: the data position (iteration ``i`` trains rollout step ``i mod S``)."""
     skipped: int = 0
     """Steps skipped so far (non-finite, or refused by the optimizer)."""
+    run_id: Optional[str] = None
+    """The run's id in the metrics records (kept across a resume; set at start-up)."""
 
 
 def _param_checksum(model) -> float:
@@ -178,8 +180,16 @@ def setup(cfg: RunConfig) -> Session:
         OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                         clip_grad=train_cfg.clip_grad, bf16=cfg.model.bf16, params_dtype=dtype), model)
     state = _resume(cfg.checkpoint.load, model, optimizer, rank)
+    ids = [state.run_id or new_run_id()]
+    dist.broadcast_object_list(ids, src=0)  # one id on every rank (each rank's checkpoint keeps it)
+    state.run_id = ids[0]
+    model_name = cfg.model.hf_model or (f"built-in GPT ({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+                                        f"vocabulary {cfg.model.vocab_size})")
     log = MetricsLog(cfg.logging.metrics_file, cfg.logging.tensorboard_dir, train_cfg.train_iters,
-                     enabled=rank == 0)
+                     enabled=rank == 0,
+                     run_start=run_start_record(state.run_id, argv=sys.argv, model=model_name,
+                                                start_iteration=state.iteration,
+                                                extra={"mode": cfg.loss.mode, "world_size": world}))
     _log_layout(cfg, world, backend, len(steps), state.iteration)
     plans = PlanAhead(_iteration_planner(cfg, plan_cfg, steps, parallel_state.get_context_parallel_rank()),
                       range(state.iteration, max(state.iteration, train_cfg.train_iters)),
@@ -263,7 +273,7 @@ def _resume(load, model, optimizer, rank: int) -> RunState:
         return RunState()
     loaded = load_checkpoint(load, model, optimizer, rank)
     if loaded:
-        return RunState(iteration=loaded["iteration"], skipped=loaded.get("skipped", 0))
+        return RunState(iteration=loaded["iteration"], skipped=loaded.get("skipped", 0), run_id=loaded.get("run_id"))
     logger.info(f"--load {load}: no complete checkpoint yet (no 'latest'); starting from the initial weights")
     return RunState()
 
@@ -348,9 +358,8 @@ def close(s: Session, record: dict) -> dict:
     checksum = _param_checksum(s.model)
     if s.rank == 0:
         record["param_checksum"] = checksum
-        if s.log.file:
-            s.log.file.write(json.dumps({"final": True, "iteration": state.iteration,
-                                         "param_checksum": checksum, "skipped_total": state.skipped}) + "\n")
+        s.log.write({"final": True, "iteration": state.iteration, "param_checksum": checksum,
+                     "skipped_total": state.skipped})
         logger.info(f"done: {state.iteration} iterations, objective={record.get('objective', float('nan')):.6g}, "
                     f"param_checksum={checksum:.10g}, skipped={state.skipped}")
     s.log.close()
@@ -381,7 +390,7 @@ def train(cfg: RunConfig) -> dict:
 def _save(s: Session) -> None:
     """This iteration's checkpoint under ``--save`` (with the skipped-step count)."""
     save_checkpoint(s.cfg.checkpoint.save, s.state.iteration, s.model, s.optimizer, s.rank,
-                    {"skipped": s.state.skipped})
+                    {"skipped": s.state.skipped, "run_id": s.state.run_id})
 
 
 def _save_hf(s: Session) -> None:

@@ -18,6 +18,7 @@ import pytest
 from megatron_pg_agg.data.output_folder import MARKER
 from tests.support.launching import ROOT, child_env, run, torchrun, worker
 from tests.support.optional import REQUIRE_BRIDGE, require
+from tests.support.records import first_step, trainer_records
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TIED = "qwen3_tied"  # tie_word_embeddings (as Qwen3's small models): one weight, across PP stages too
@@ -200,8 +201,7 @@ def trainer_runs(models, rollouts, tmp_path_factory):
         print(f"{len(batch)} HF trainer runs on {nproc} rank(s): {elapsed:.1f}s")
         for r in batch:
             path = tmp / f"{r['name']}.jsonl"
-            records = [json.loads(line) for line in open(path)] if path.exists() else []
-            done[r["name"]] = {"run": r, "records": [x for x in records if not x.get("final")], "log": log}
+            done[r["name"]] = {"run": r, "records": trainer_records(path)[0] if path.exists() else [], "log": log}
     return done
 
 
@@ -254,7 +254,7 @@ def test_acceptance_command_trains_qwen3_and_writes_an_hf_folder(models, rollout
                                     "--pg-loss-aggregation", "prompt_mean", "--save-hf", out, "--save-hf-interval", 1,
                                     "--train-iters", 2, "--metrics-file", metrics), 300, "HF acceptance command")
     assert rc == 0, log[-20000:]
-    first = json.loads(open(metrics).readline())
+    first = first_step(metrics)
     ref = reference["qwen3"]["prompt_mean"]
     assert first["weight"] == ref["weight"]
     assert abs(first["objective"] - ref["objective"]) <= 1e-6 * max(abs(ref["objective"]), 0.5)

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from tests.support.launching import ROOT, run, torchrun, worker
+from tests.support.records import trainer_records
 
 WORKER = worker("moe_worker")
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
@@ -131,7 +132,7 @@ def test_trainer_trains_a_moe_actor_and_logs_router_losses_as_pairs(tmp_path):
                                     "--metrics-file", metrics), TIMEOUT_S, "MoE trainer")
     assert rc == 0, out[-20000:]
     assert "experts=4 top2 EP=2 dispatcher=alltoall" in out
-    steps = [json.loads(line) for line in open(metrics) if not json.loads(line).get("final")]
+    steps = trainer_records(metrics)[0]
     assert len(steps) == 3
     for r in steps:
         for name in ("moe_aux_loss", "moe_z_loss"):

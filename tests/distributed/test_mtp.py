@@ -18,6 +18,7 @@ import pytest
 from megatron_pg_agg.core.modes import MODES
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 from tests.support.launching import run, torchrun, worker
+from tests.support.records import first_step
 
 RUNS = worker("trainer_runs")
 LAYOUTS = {
@@ -48,8 +49,7 @@ def layout_records(tmp_path_factory) -> dict:
         rc, out, _ = run(torchrun(nproc, *RUNS, spec, status), 600, f"MTP runs {layout}")
         assert rc == 0 and json.loads(status.read_text()) == {m: 0 for m in MODES}, out[-20000:]
         for mode in MODES:
-            lines = [json.loads(line) for line in (tmp / f"{layout}-{mode}.jsonl").read_text().splitlines()]
-            records[layout, mode] = next(r for r in lines if not r.get("final"))
+            records[layout, mode] = first_step(tmp / f"{layout}-{mode}.jsonl")
     return records
 
 

@@ -4,14 +4,10 @@ later iteration."""
 import json
 
 from tests.support.launching import run, torchrun, worker
+from tests.support.records import trainer_records
 
 RUNS = worker("plan_ahead_runs")
 TIMING = {"tokens_per_s", "step_s"}
-
-
-def _records(path):
-    lines = [json.loads(line) for line in open(path)]
-    return [r for r in lines if not r.get("final")], [r for r in lines if r.get("final")]
 
 
 def test_plan_ahead_on_and_off_train_alike_and_a_later_plans_error_stops_that_iteration(tmp_path):
@@ -33,12 +29,12 @@ def test_plan_ahead_on_and_off_train_alike_and_a_later_plans_error_stops_that_it
     assert status["on"] == status["off"] == 0, out[-20000:]
     want = "RolloutFormatError: rollouts.jsonl:12: field 'step': is -1; expected an integer >= 0"
     assert status["error"] == want, status["error"]
-    (on, on_final), (off, off_final) = _records(tmp_path / "on.jsonl"), _records(tmp_path / "off.jsonl")
+    (on, on_final), (off, off_final) = trainer_records(tmp_path / "on.jsonl"), trainer_records(tmp_path / "off.jsonl")
     assert [r["iteration"] for r in on] == list(range(1, 7)) and [r["rollout_step"] for r in on] == [0, 1, 2, 3, 0, 1]
     for a, b in zip(on, off):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
     assert on_final[0]["param_checksum"] == off_final[0]["param_checksum"]
-    failed, final = _records(tmp_path / "error.jsonl")
+    failed, final = trainer_records(tmp_path / "error.jsonl")
     assert [r["iteration"] for r in failed] == [1, 2, 3] and final == []
     for a, b in zip(failed, on):  # the iterations before the failure trained as the clean run
         assert a["objective"] == b["objective"]
@@ -63,6 +59,6 @@ def test_megatron_lm_pretrain_with_plan_ahead_on_and_off_records_the_same_run(me
     rc, out, _ = run(launch_command(1, megatron_lm_runs, tmp_path / "runs.json", tmp_path / "status.json"), 240,
                      "Megatron-LM plan-ahead runs")
     assert rc == 0 and json.loads((tmp_path / "status.json").read_text()) == {"on": 0, "off": 0}, out[-20000:]
-    on, off = (_records(tmp_path / f"{name}.jsonl")[0] for name in ("on", "off"))
+    on, off = (trainer_records(tmp_path / f"{name}.jsonl")[0] for name in ("on", "off"))
     assert [r["iteration"] for r in on] == list(range(1, 7)) and [r["rollout_step"] for r in on] == [0, 1, 2, 3, 0, 1]
     assert on == off

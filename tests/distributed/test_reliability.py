@@ -19,16 +19,13 @@ import torch
 from megatron_pg_agg.data.rollout_files import write_rollouts
 from megatron_pg_agg.data.rollouts import Rollout
 from megatron_pg_agg.data.synthetic import synthetic_rollouts
+from megatron_pg_agg.training.metrics import read_runs
 from megatron_pg_agg.training.run_config import RunConfig, StartupError, build_parser
 from tests.support.launching import ROOT, child_env, finish, kill_launch, run, start, torchrun, worker
+from tests.support.records import trainer_records
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 TIMING = {"tokens_per_s", "step_s"}
-
-
-def _records(path):
-    lines = [json.loads(line) for line in open(path)]
-    return [r for r in lines if not r.get("final")], [r for r in lines if r.get("final")]
 
 
 def _same(a, b):
@@ -123,7 +120,7 @@ def test_a_non_finite_loss_stops_the_run_before_any_update_with_status_3(tmp_pat
     assert rc != 0, out[-5000:]
     assert "exitcode  : 3" in out, out[-5000:]
     assert "iteration 1 (rollout step 1): non-finite loss or gradient; nothing was updated" in out
-    steps, final = _records(metrics)
+    steps, final = trainer_records(metrics)
     assert [r["iteration"] for r in steps] == [1] and not final
 
 
@@ -145,7 +142,7 @@ def test_a_finite_loss_with_a_non_finite_gradient_stops_with_status_3(tmp_path):
     assert rc == 3, out[-5000:]
     assert "process group alive after main: False" in out, out[-3000:]
     assert "iteration 1 (rollout step 1): non-finite loss or gradient; nothing was updated" in out
-    steps, final = _records(metrics)
+    steps, final = trainer_records(metrics)
     assert [r["iteration"] for r in steps] == [1] and not final
     assert all(math.isfinite(steps[0][k]) for k in ("objective", "grad_norm"))
 
@@ -160,8 +157,8 @@ def test_skip_nonfinite_steps_skips_loss_and_gradient_failures_and_leaves_the_mo
     assert rc == 0, out[-20000:]
     rc, out2, _ = _one_process(["--rollouts", clean, "--train-iters", 2, "--metrics-file", m_clean])
     assert rc == 0, out2[-20000:]
-    skip, skip_final = _records(m_skip)
-    ref, ref_final = _records(m_clean)
+    skip, skip_final = trainer_records(m_skip)
+    ref, ref_final = trainer_records(m_clean)
     assert [r["skipped"] for r in skip] == [False, True, True, False] and skip[-1]["skipped_total"] == 2
     assert skip_final[0]["skipped_total"] == 2
     # the gradient-poisoned step reported a finite loss: only the gradient check can skip it
@@ -185,11 +182,32 @@ def test_the_skipped_step_counter_survives_a_resume(tmp_path):
     (resumed / "latest").write_text("3\n")
     rc, out, _ = _one_process([*common, "--save", resumed, "--load", resumed])
     assert rc == 0 and "start_iteration=3" in out, out[-20000:]
-    a, a_final = _records(full / "metrics.jsonl")
-    b, b_final = _records(resumed / "metrics.jsonl")
+    a, a_final = trainer_records(full / "metrics.jsonl")
+    b, b_final = trainer_records(resumed / "metrics.jsonl")
     assert [r["skipped_total"] for r in a] == [0, 1, 2, 2] and [r["iteration"] for r in b] == [4]
     assert _same(a[3], b[0]), (a[3], b[0])
     assert a_final[0]["skipped_total"] == b_final[-1]["skipped_total"] == 2
+
+
+def test_each_run_in_a_shared_metrics_file_is_marked_and_read_apart(tmp_path):
+    """Two fresh runs append to one metrics file: each opens with a run-start record (its id, the
+    command line, the model, the versions, the first iteration) and every record it writes
+    carries that id; read_runs gives them apart. Catches records without the id, a run id reused
+    by a fresh run, or the start record missing."""
+    metrics = tmp_path / "m.jsonl"
+    for iters in (2, 3):
+        rc, out, _ = _one_process(["--train-iters", iters, "--metrics-file", metrics])
+        assert rc == 0, out[-20000:]
+    first, second = read_runs(metrics)
+    assert first.run_id and second.run_id and first.run_id != second.run_id
+    assert [r["iteration"] for r in first.steps] == [1, 2] and [r["iteration"] for r in second.steps] == [1, 2, 3]
+    assert len(first.finals) == len(second.finals) == 1
+    (start,) = second.starts
+    assert start["start_iteration"] == 0 and "--train-iters" in start["argv"] and "3" in start["argv"]
+    assert start["model"].startswith("built-in GPT") and start["mode"] == "token_mean"
+    assert set(start["versions"]) == {"megatron_pg_agg", "megatron_core", "torch", "python"}
+    lines = [json.loads(line) for line in open(metrics)]
+    assert all(r.get("run_id") in (first.run_id, second.run_id) for r in lines) and len(lines) == 2 + 2 + 3 + 2
 
 
 # ----------------------------------------------------------------------------- W = 0
@@ -211,8 +229,8 @@ def test_a_step_with_every_response_masked_is_a_zero_update_with_finite_metrics(
                                    "--pg-loss-aggregation", "seq_mean"])
         assert rc == 0, out[-20000:]
         outputs.append(out)
-    got, got_final = _records(m_empty)
-    ref, ref_final = _records(m_clean)
+    got, got_final = trainer_records(m_empty)
+    ref, ref_final = trainer_records(m_clean)
     empty = got[1]
     assert empty["weight"] == 0 and empty["valid_tokens"] == 0 and empty["rollout_step"] == 1
     assert empty["objective"] == 0.0 and empty["grad_norm"] == 0.0 and not empty["skipped"]
@@ -316,8 +334,8 @@ def test_resume_from_a_checkpoint_mid_cycle_restores_the_data_position(tmp_path,
     rc, out, _ = _one_process(["--train-iters", 5, "--save", resumed, "--load", resumed], OMP_NUM_THREADS=threads)
     assert rc == 0, out[-20000:]
     assert "start_iteration=3" in out
-    a, a_final = _records(full / "metrics.jsonl")
-    b, b_final = _records(resumed / "metrics.jsonl")
+    a, a_final = trainer_records(full / "metrics.jsonl")
+    b, b_final = trainer_records(resumed / "metrics.jsonl")
     assert [r["rollout_step"] for r in a] == [0, 1, 2, 3, 0]
     assert len({r["weight"] for r in a[:4]}) == 4  # every rollout step is recognisable by its weight
     assert [r["iteration"] for r in b] == [4, 5]
@@ -326,6 +344,9 @@ def test_resume_from_a_checkpoint_mid_cycle_restores_the_data_position(tmp_path,
         assert _same(x, y), (x, y)
     assert a_final[0]["param_checksum"] == b_final[-1]["param_checksum"]
     _assert_same_states(full, resumed, 5, [0])
+    # the resumed run is the same run: its checkpoint's id, and a start record saying where it began
+    (run_a,), (run_b,) = read_runs(full / "metrics.jsonl"), read_runs(resumed / "metrics.jsonl")
+    assert run_b.run_id == run_a.run_id and [r["start_iteration"] for r in run_b.starts] == [3]
 
 
 def test_a_killed_run_resumes_bit_for_bit_and_ignores_torn_saves(tmp_path):
@@ -358,8 +379,8 @@ def test_a_killed_run_resumes_bit_for_bit_and_ignores_torn_saves(tmp_path):
     rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", target, "--save", full), 300, "uninterrupted run")
     assert rc == 0, out[-20000:]
 
-    a, a_final = _records(full / "metrics.jsonl")
-    b, b_final = _records(broken / "metrics.jsonl")
+    a, a_final = trainer_records(full / "metrics.jsonl")
+    b, b_final = trainer_records(broken / "metrics.jsonl")
     resumed = b[-2:]
     assert [r["iteration"] for r in resumed] == [latest + 1, latest + 2]
     for x, y in zip(a[latest:], resumed):

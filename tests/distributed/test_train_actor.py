@@ -5,17 +5,13 @@ import sys
 import pytest
 
 from tests.support.launching import ROOT, child_env, finish, free_port, run, split_by_run, start, torchrun, worker
+from tests.support.records import trainer_records
 
 TRAIN = ROOT / "launch" / "train_actor.py"
 REFERENCE = worker("trainer_reference")
 RUNS = worker("trainer_runs")
 MULTINODE = ROOT / "launch" / "multinode.sh"
 FIELDS = ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
-
-
-def _records(path):
-    lines = [json.loads(line) for line in open(path)]
-    return [r for r in lines if not r.get("final")], [r for r in lines if r.get("final")]
 
 
 def _reference(tmp_path, checkpoint, step: int, flags: list, variants=None) -> dict:
@@ -41,7 +37,7 @@ def test_main_job_trains_logs_every_step_and_writes_metrics(tmp_path):
     for line in progress:
         for field in FIELDS:
             assert f"{field}=" in line, (field, line)
-    steps, final = _records(metrics)
+    steps, final = trainer_records(metrics)
     assert [r["iteration"] for r in steps] == list(range(1, 21))
     for r in steps:
         assert r["weight"] > 0 and 0 <= r["clip_fraction"] <= 1 and r["entropy"] > 0
@@ -141,8 +137,8 @@ def test_two_loopback_nodes_train_like_one_node(tmp_path):
     for rc, out in outputs:
         assert rc == 0, out[-20000:]
     assert "node 1/2" in outputs[1][1] and "world=2" in outputs[0][1]
-    a, fa = _records(one)
-    b, fb = _records(two)
+    a, fa = trainer_records(one)
+    b, fb = trainer_records(two)
     assert [r["objective"] for r in a] == [r["objective"] for r in b]
     assert fa[0]["param_checksum"] == fb[0]["param_checksum"]
 
@@ -158,7 +154,7 @@ def test_training_from_a_rollout_file_matches_the_built_in_data(tmp_path):
         metrics = tmp_path / f"{name}.jsonl"
         rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", 3, "--metrics-file", metrics, *extra), 300, name)
         assert rc == 0, out[-20000:]
-        runs[name] = _records(metrics)
+        runs[name] = trainer_records(metrics)
     assert [r["objective"] for r in runs["builtin"][0]] == [r["objective"] for r in runs["file"][0]]
     assert runs["builtin"][1][0]["param_checksum"] == runs["file"][1][0]["param_checksum"]
 
@@ -229,7 +225,7 @@ def test_every_recorded_field_of_every_mode_and_policy_loss_equals_the_float64_r
     current = [(logp, entropy) for logp, entropy in ref["tokens"]]
     worst = {}
     for name, (_, numbers) in variants.items():
-        (record,), _ = _records(tmp_path / f"{name}.jsonl")
+        (record,), _ = trainer_records(tmp_path / f"{name}.jsonl")
         want = reference_record(rollouts, current, numbers)
         counters = (record["iteration"], record["rollout_step"], record["skipped"], record["skipped_total"])
         assert counters == (1, 0, False, 0), name
@@ -254,6 +250,6 @@ def test_every_recorded_field_of_every_mode_and_policy_loss_equals_the_float64_r
             assert err <= 1e-5, (name, record["grad_norm"], autograd["grad_norm"])
     # the options act on this data: the corrections change something, the clip binds
     for kind in CORRECTIONS:
-        (record,), _ = _records(tmp_path / f"seq_mean-ppo-{kind}.jsonl")
+        (record,), _ = trainer_records(tmp_path / f"seq_mean-ppo-{kind}.jsonl")
         assert record["correction_masked" if kind.endswith("mask") else "correction_truncated"] > 0, kind
     print("worst relative error per field over", len(variants), "runs:", {k: f"{v:.1e}" for k, v in worst.items()})
