@@ -57,6 +57,9 @@ def make_tiny_model(family: str, out_dir: str, *, seed: int = 0, vocab_size: int
     problems = output_folder_problem(out_dir, "tiny_hf", kind=TINY_HF_KIND)
     if problems:
         raise OutputFolderError("; ".join(problems))
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    hf_logging.disable_progress_bar()  # a one-file write needs no "Writing model shards" bar
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size=vocab_size, tie=tie, num_layers=num_layers),
                                              dtype=torch.float32)

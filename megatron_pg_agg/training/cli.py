@@ -7,7 +7,7 @@ import logging
 
 from .logs import ALL_RANKS, setup_logging
 from .run_config import RunConfig, StartupError, parse_flags
-from .worker_process import keep_freed_memory, quiet_startup_noise, release_process_group
+from .worker_process import keep_freed_memory, quiet_startup_noise, release_process_group, verbose_requested
 
 logger = logging.getLogger(__name__)
 
@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 def main(argv=None) -> int:
     keep_freed_memory()
     setup_logging("[train]")
-    quiet_startup_noise()
+    quiet_startup_noise(verbose=verbose_requested(argv), outside_info=True)
     # imported only now: the trainer imports megatron.core, whose start-up warnings
     # quiet_startup_noise must be in place for
     from .trainer import NonFiniteStepError, train  # noqa: PLC0415

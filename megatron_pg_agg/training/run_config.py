@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "come from it; a model flag that disagrees with its config is refused")
     hf.add_argument("--save-hf", default=None, metavar="DIR",
                     help="write the trained model as an HF folder (config, safetensors, the source's tokenizer "
-                         "files) at the end, atomically; needs --hf-model")
+                         "files) at the end, atomically; needs --hf-model. DIR must be new, empty or an earlier "
+                         "--save-hf output (nothing else is ever replaced)")
     hf.add_argument("--save-hf-interval", type=int, default=None, metavar="N",
                     help="also write --save-hf every N iterations")
     model = parser.add_argument_group("model (Megatron-style)")
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="per-step metrics JSONL (default: <save>/metrics.jsonl, else "
                             "runs/train_actor/metrics.jsonl)")
     train.add_argument("--tensorboard-dir", default=None, help="TensorBoard logs, if tensorboard is installed")
+    train.add_argument("--verbose", action="store_true",
+                       help="show every start-up line of megatron-core, Megatron-Bridge and transformers (the known "
+                            "noise is silenced by default; also MEGATRON_PG_AGG_VERBOSE=1)")
     train.add_argument("--log-interval", type=int, default=1)
     add_plan_ahead_arg(train)
     add_pg_agg_args(parser)

@@ -108,6 +108,18 @@ KNOWN_NOISE: tuple[KnownNoise, ...] = (
     KnownNoise(r"No CUDA runtime is found, using CUDA_HOME", "a CUDA build of torch on a CPU machine (the "
                "Python 3.12 route) when megatron-core imports torch's extension loader", category=None,
                logger="torch.utils.cpp_extension", cpu_fallback=True),
+    KnownNoise(r"When using (sequence parallelism|async grad allreduce) it is recommended to set the environment "
+               r"variable CUDA_DEVICE_MAX_CONNECTIONS", "a CUDA scheduling hint from the tensor-parallel layers "
+               "(TP > 1); nothing to schedule on CPU", cpu_fallback=True),
+    # Megatron-Bridge and transformers, on the --hf-model path (Python 3.12)
+    KnownNoise(r"gradient_accumulation_fusion requires either TransformerEngine or the fused_weight_gradient_mlp_cuda",
+               "Megatron-Bridge's provider turns the fusion off without TE/apex (a GPU kernel)", category=None,
+               logger="megatron.bridge.utils.fusions", cpu_fallback=True),
+    KnownNoise(r"`torch_dtype` is deprecated! Use `dtype` instead!", "Megatron-Bridge 0.6 loads the HF config with "
+               "transformers' old argument name; the dtype is the same", category=None,
+               logger="transformers.configuration_utils"),
+    KnownNoise(r"`torch\.jit\.script` is deprecated", "torch 2.14 on megatron-core's (and Bridge's) import-time "
+               "jit decorators; they still compile", category=FutureWarning),
 )
 """Every start-up message the entry points silence (per release, by message; nothing else)."""
 
@@ -129,10 +141,60 @@ def active_noise(installed: Optional[str], te: bool) -> list:
             and (n.releases is None or (installed is not None and in_range(installed, n.releases)))]
 
 
-def quiet_startup_noise() -> None:
+OUTSIDE_LINES: tuple[tuple[str, str], ...] = (
+    (r"W\d{4} [\d:.]+ +\d+ torch/distributed/run\.py:\d+\] ",
+     "torchrun's notice that it sets OMP_NUM_THREADS=1 for each worker (5 lines, printed by torchrun itself "
+     "before any worker starts; `OMP_NUM_THREADS=1 torchrun ...` does the same without the notice)"),
+    (r"Loading from \S+ .*\(\d+/\d+\) \w+Bridge$",
+     "Megatron-Bridge's progress line while it loads the HF weights (rank 0, an --hf-model run)"),
+)
+"""The lines from outside the project a successful trainer run still prints (regex matched at
+the start of a line, and why it stays); every other line starts with the entry's prefix."""
+VERBOSE_ENV = "MEGATRON_PG_AGG_VERBOSE"
+"""Set to 1 (or pass ``--verbose``) to see every outside line: nothing is silenced."""
+QUIET_LOGGERS = ("megatron.bridge.utils.import_utils",)
+"""Loggers that set themselves to INFO with a handler of their own at import (Megatron-Bridge's
+optional-import probe logs a traceback for each symbol TE lacks): their records below WARNING are
+dropped."""
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def quiet_outside_logging() -> None:
+    """Keep other libraries' INFO records (config dumps, bucket lists, import probes) off the
+    console, and their warnings on it. A library that calls ``logging.basicConfig(level=INFO)`` at
+    import (NVIDIA modelopt, which Megatron-Bridge imports) would turn the root logger to INFO for
+    everyone: a root handler at WARNING, installed first, makes that call a no-op and shows what
+    Python's last-resort handler would have shown."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+        root.addHandler(handler)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).addFilter(_BelowWarning())
+
+
+def verbose_requested(argv=None) -> bool:
+    """``--verbose`` on the command line or ``MEGATRON_PG_AGG_VERBOSE=1``."""
+    return os.environ.get(VERBOSE_ENV) == "1" or "--verbose" in (sys.argv[1:] if argv is None else argv)
+
+
+def quiet_startup_noise(verbose: bool = False, *, outside_info: bool = False) -> None:
     """Silence exactly :data:`KNOWN_NOISE` for the installed release (warnings by message and
-    category, log records by logger and message; every other message still shows) and say in
-    one line, on rank 0, which fallbacks are in use. Call before importing megatron.core."""
+    category, log records by logger and message; every other message still shows) and say in one
+    line, on rank 0, which fallbacks are in use. ``outside_info``: also keep other libraries' INFO
+    records off the console (:func:`quiet_outside_logging`; the project's own entries, not
+    Megatron-LM's, which configures logging itself). ``verbose``: change nothing. Call before
+    importing megatron.core."""
+    if verbose:
+        return
+    if outside_info:
+        quiet_outside_logging()
     te = importlib.util.find_spec("transformer_engine") is not None
     installed = distribution_version()  # importing megatron.core would emit the warnings now
     by_logger: dict = {}

@@ -389,3 +389,32 @@ def test_megatron_bridge_loop_equals_the_trainer(models, rollouts, reference, tr
         print(f"Bridge loop {name}: {elapsed:.1f}s; vs trainer objective "
               f"{max(abs(b['objective'] - t['objective']) for b, t in zip(bridge, trainer)):.1e}, grad_norm "
               f"{max(abs(b['grad_norm'] - t['grad_norm']) / t['grad_norm'] for b, t in zip(bridge, trainer)):.1e}")
+
+
+def test_readme_command_3_prints_the_projects_lines_and_the_documented_outside_ones(models, tmp_path):
+    """README command 3's trainer as a user starts it (a real torchrun, fresh processes, every
+    warning on): each line is the trainer's own (``[train] ``) or one of the documented outside
+    lines (worker_process.OUTSIDE_LINES, docs/hf-models.md); no traceback, ERROR or config dump.
+    With --verbose the outside lines come back (Megatron-Bridge's import probe, the DDP config).
+    Catches a new library message, or the quiet switch lost on this path."""
+    import re
+
+    from megatron_pg_agg.training.worker_process import OUTSIDE_LINES
+
+    env = child_env()
+    env.pop("PYTHONWARNINGS", None)
+    out_dir = tmp_path / "trained"
+    rc, out, _ = run(torchrun(2, TRAIN, "--hf-model", models["qwen3"], "--pg-loss-aggregation", "prompt_mean",
+                              "--train-iters", 2, "--save-hf", out_dir, "--metrics-file", tmp_path / "m.jsonl"),
+                     400, "README command 3, quiet", env=env, fresh=True)
+    assert rc == 0, out[-20000:]
+    allowed = [re.compile(pattern) for pattern, _ in OUTSIDE_LINES]
+    foreign = [line for line in out.splitlines() if line.strip() and not line.startswith("[train] ")
+               and not any(p.match(line) for p in allowed)]
+    assert not foreign, foreign[:20]
+    assert "[train] done: 2 iterations" in out and "wrote the HF folder" in out
+    rc, loud, _ = run([sys.executable, str(TRAIN), "--hf-model", str(models["qwen3"]), "--train-iters", "1",
+                       "--verbose", "--metrics-file", str(tmp_path / "v.jsonl")], 400, "README command 3, verbose",
+                      env=env, fresh=True)
+    assert rc == 0, loud[-20000:]
+    assert "FP8GlobalStateManager" in loud and "DistributedDataParallelConfig" in loud, loud[-5000:]
