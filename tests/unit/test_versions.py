@@ -75,3 +75,13 @@ def test_releases_outside_the_range_are_refused_with_reasons(monkeypatch):
     monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV, "1")
     assert versions.release_problem("0.14.0") is not None  # never for older releases
     assert versions.release_problem("not-a-version") is not None
+
+
+def test_the_checkout_table_names_each_legs_tag_and_folder():
+    """docs/releases.md's clone table: one row per leg, its tag in the clone command and the
+    folder the tests look for (versions.TESTED's checkout)."""
+    text = (ROOT / "docs" / "releases.md").read_text()
+    for leg in versions.TESTED:
+        row = (f"| {leg.megatron_core} | `git clone --depth 1 --branch {leg.megatron_lm_tag} "
+               f"https://github.com/NVIDIA/Megatron-LM` | `{leg.checkout}` |")
+        assert row in text, row
