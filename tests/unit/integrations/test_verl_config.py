@@ -157,7 +157,8 @@ def test_the_docs_example_is_the_switch_to_prompt_mean():
 def test_docs_lines_compose_with_verl_own_config_and_load_the_plugin():
     """In a fresh interpreter: ``import verl`` loads the plug-in through verl's entry-point
     mechanism (the patch's marker on both targets); verl's own ppo_megatron_trainer config with
-    docs/verl.md's command-line lines gives verl's McoreActorConfig and the plug-in's loss."""
+    docs/verl.md's command-line lines gives verl's McoreActorConfig and the plug-in's loss; so does
+    the GPU config file it ships (launch/verl/grpo_pg_agg.yaml)."""
     _verl()
     code = f"""
 import os, verl
@@ -178,11 +179,18 @@ assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss.loss_mod
 loss = worker_loss(cfg.actor_rollout_ref, "actor_rollout")
 print("CFG", loss.loss_cfg.mode, loss.loss_cfg.policy_loss, loss.loss_cfg.dual_clip, loss.loss_cfg.clip_eps_high)
 assert worker_loss(cfg.actor_rollout_ref, "ref") is None
+# the GPU config file docs/verl.md ships (launch/verl/grpo_pg_agg.yaml), on verl's own defaults
+with initialize_config_dir(config_dir={str(DOCS.parents[1] / "launch" / "verl")!r}, version_base=None):
+    shipped = compose("grpo_pg_agg", overrides=["actor_rollout_ref.model.path=/m", "data.train_files=/t.parquet",
+                                                "data.val_files=/v.parquet"])
+loss = worker_loss(shipped.actor_rollout_ref, "actor_rollout")
+print("SHIPPED", loss.loss_cfg.mode, shipped.algorithm.adv_estimator, shipped.actor_rollout_ref.rollout.n)
 """
     env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "CFG prompt_mean ppo 3.0 0.28" in proc.stdout, proc.stdout
+    assert "SHIPPED prompt_mean grpo 8" in proc.stdout, proc.stdout
 
 
 @pytest.mark.optional_stack
