@@ -75,5 +75,8 @@ setup(
         # verl loads every plug-in of this group on import (VERL_USE_EXTERNAL_PLUGINS=auto, its default):
         # the plug-in registers loss_mode "pg_agg" and patches verl's Megatron engine, inert until used
         "verl.plugins": ["megatron_pg_agg = megatron_pg_agg.integrations.verl_plugin"],
+        # the trainer's --hf-model/--save-hf reach Megatron-Bridge through this seam
+        # (megatron_pg_agg/training/model_source.py): the training layer imports no integration
+        "megatron_pg_agg.model_sources": ["hf = megatron_pg_agg.integrations.hf_bridge:open_hf_model"],
     },
 )

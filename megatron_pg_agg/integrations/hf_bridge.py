@@ -129,6 +129,10 @@ class HFModel:
         self.bridge.load_hf_weights(chunks)
         return chunks
 
+    def save(self, model: list, out_dir: str, *, rank: int) -> str:
+        """:func:`save_hf_folder` of the live ``model`` (the trainer's ``--save-hf``)."""
+        return save_hf_folder(self, model, out_dir, rank=rank)
+
 
 IGNORED_EXTRA_SUFFIXES = ("rotary_emb.inv_freq",)
 """Tensors an HF folder may hold that transformers itself ignores on load (old rotary buffers)."""

@@ -12,6 +12,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megatron_pg_agg.training.model_source import ModelSourceError
+
 __all__ = ["BRIDGE_INSTALL", "HFFolder", "HFFolderError", "bridge_install_problem", "open_hf_folder"]
 
 BRIDGE_INSTALL = ('pip install torch==2.14.1 && pip install --no-deps megatron-bridge==0.6.2 && '
@@ -26,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 WEIGHT_INDEX = "model.safetensors.index.json"
 
 
-class HFFolderError(ValueError):
+class HFFolderError(ModelSourceError):
     """A folder that is not a loadable HF causal LM (the message names the file and the reason)."""
 
 

@@ -29,6 +29,7 @@ from megatron_pg_agg.patches import mtp_loss
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version, release_problem
 
 from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
+from .model_source import ModelSourceError, open_model_source
 
 __all__ = [
     "CheckpointConfig",
@@ -176,13 +177,11 @@ HF_SHAPE_FLAGS = (
 def _hf_model_config(ns: argparse.Namespace) -> "ModelConfig":
     """The model of ``--hf-model``: its shape from the HF config (through Megatron-Bridge's
     provider); a shape flag given on the command line that disagrees is refused, naming both."""
-    # imported only for an --hf-model run (Megatron-Bridge is an optional extra); open_hf_model checks
-    # the folder, then the install, then opens it through Bridge
-    from megatron_pg_agg.integrations.hf_bridge import HFFolderError, open_hf_model  # noqa: PLC0415
-
+    # the "hf" source (integrations.hf_bridge, through its entry point) checks the folder, then the
+    # install, then opens it through Megatron-Bridge (an optional extra)
     try:
-        shape = open_hf_model(ns.hf_model).shape
-    except HFFolderError as err:
+        shape = open_model_source("hf", ns.hf_model).shape
+    except ModelSourceError as err:
         raise StartupError(str(err)) from err
     explicit = getattr(ns, "explicit", frozenset())
     conflicts = []

@@ -51,6 +51,7 @@ from megatron_pg_agg.patches import apply_megatron_patches
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import MetricsLog, new_run_id, run_start_record
+from .model_source import ModelSourceError, open_model_source
 from .rollout_steps import load_steps
 from .run_config import RunConfig, StartupError
 from .worker_process import die_with_launcher
@@ -239,13 +240,11 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
         **moe_kwargs,
     )
     if model_cfg.hf_model:  # shape and weights from the HF folder, through Megatron-Bridge
-        from megatron_pg_agg.integrations.hf_bridge import HFFolderError, open_hf_model  # noqa: PLC0415
-
         for shape_field in ("num_moe_experts", "add_bias_linear"):  # the HF config's
             settings.pop(shape_field, None)
         try:
-            chunks = open_hf_model(model_cfg.hf_model).build_chunks(**{**hf_contract_settings(), **settings})
-        except HFFolderError as err:  # missing or extra tensors: found once the model's names are known
+            chunks = open_model_source("hf", model_cfg.hf_model).build_chunks(**{**hf_contract_settings(), **settings})
+        except ModelSourceError as err:  # missing or extra tensors: found once the model's names are known
             raise StartupError(str(err)) from err
         config = get_model_config(chunks[0])
     else:
@@ -395,8 +394,6 @@ def _save(s: Session) -> None:
 
 def _save_hf(s: Session) -> None:
     """The live model as an HF folder under ``--save-hf`` (every rank exports; rank 0 writes)."""
-    from megatron_pg_agg.integrations.hf_bridge import open_hf_model, save_hf_folder  # noqa: PLC0415
-
     t0 = time.perf_counter()
-    out = save_hf_folder(open_hf_model(s.cfg.model.hf_model), s.model, s.cfg.checkpoint.save_hf, rank=s.rank)
+    out = open_model_source("hf", s.cfg.model.hf_model).save(s.model, s.cfg.checkpoint.save_hf, rank=s.rank)
     logger.info(f"iteration {s.state.iteration}: wrote the HF folder {out} ({time.perf_counter() - t0:.1f} s)")
