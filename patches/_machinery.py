@@ -78,8 +78,10 @@ class StandIn:
 
     module: str
     missing: str
-    """The top-level package whose absence makes the real module unimportable (e.g. ``triton``);
-    any other import error is raised, not hidden."""
+    """The package whose absence makes the real module unimportable: a top-level one (e.g.
+    ``triton``), or a dotted one where a distribution installs a subpackage of a shared namespace
+    (``megatron.bridge``, not installed beside megatron-core); any other import error is raised,
+    not hidden."""
     make: Callable[[str], types.ModuleType]
     """``make(module name) -> module``; called once per apply, only when the stand-in is needed."""
     releases: Optional[str] = None
@@ -306,6 +308,11 @@ def revert(patch: Patch | str) -> bool:
     return True
 
 
+def _is_or_inside(module: str, package: str) -> bool:
+    """Whether ``module`` is ``package`` itself or one of its submodules (``a.b`` is inside ``a``)."""
+    return module == package or module.startswith(package + ".")
+
+
 def _stand_in(patch: Patch, installed: str) -> list[_StoodIn]:
     """Import each stand-in's real module; where it fails for the named missing package only,
     put the stand-in in ``sys.modules`` (and on its parent package). Returns what was stood in."""
@@ -317,7 +324,7 @@ def _stand_in(patch: Patch, installed: str) -> list[_StoodIn]:
             importlib.import_module(item.module)
             continue
         except ModuleNotFoundError as exc:
-            if exc.name is None or exc.name.split(".")[0] != item.missing:
+            if exc.name is None or not _is_or_inside(exc.name, item.missing):
                 _remove_stand_ins(done)
                 raise RuntimeError(
                     f"patch {patch.name!r}: {item.module} cannot be imported ({exc}), and not for "
