@@ -40,6 +40,16 @@ BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "n
 VERL = ["transformers>=5.8,<5.11", "tensordict==0.10.0", "hydra-core>=1.3.4,<1.4", "codetiming", "ray>=2.41",
         "peft>=0.18.1", "accelerate", "psutil", "pillow"]
 
+# the AReaL plug-in (megatron_pg_agg.integrations.areal_plugin): what AReaL 1.0.4's Megatron actor imports,
+# installed after `pip install --no-deps areal==1.0.4 mbridge==0.15.1` (its full set is 80+ packages with
+# sglang and CUDA builds: docs/areal.md), in a venv of its own (AReaL pins transformers<=5.3, Megatron-Bridge
+# 0.6.2 needs >=5.8). hydra-core and omegaconf at AReaL's own pins.
+AREAL = ["transformers==5.3.0", "hydra-core==1.4.0.dev1", "omegaconf==2.4.0.dev2", "aiofiles==25.1.0",
+         "aiohttp==3.14.5", "colorlog==6.12.0", "datasets==5.2.0", "einops==0.8.2", "flask==3.1.3", "lark==1.3.1",
+         "numba==0.68.1", "openai==3.57.0", "pybase64==1.5.1", "ray==2.60.0", "swanlab==0.6.12", "tabulate==0.10.0",
+         "tenacity==9.2.1", "tensorboardx==2.6.5", "torchdata==0.11.0", "trackio==0.43.0", "uvloop==0.23.0",
+         "wandb==0.31.0"]
+
 setup(
     name="megatron_pg_agg",
     version="0.1.0",
@@ -64,6 +74,7 @@ setup(
         "bridge": [f"{p}; python_version >= '3.12'" for p in BRIDGE],
         "verl": [f"{p}; python_version >= '3.12'" for p in (*BRIDGE, *VERL)
                  if not p.startswith("transformers>=5.8,<=")],  # VERL's narrower transformers range
+        "areal": [f"{p}; python_version >= '3.12'" for p in AREAL],
         # the parity command's --plot
         "plot": ["matplotlib"],
         # GPU only: Transformer Engine needs CUDA. Never add NVIDIA apex here: the PyPI package

@@ -65,12 +65,17 @@ class TestedRelease:
     verl: str | None = None
     """The verl release the leg also installs (``--no-deps``, then the ``verl`` extra) and whose
     plug-in tests must run there (tests/distributed/test_verl.py); None: not installed."""
+    areal: str | None = None
+    """The AReaL release the leg also installs (``--no-deps`` with mbridge 0.15.1, then the ``areal``
+    extra) in a venv of its own (``.venv-areal``: AReaL's transformers pin excludes Megatron-Bridge's),
+    and whose plug-in tests must run there (tests/distributed/test_areal.py); None: not installed."""
 
 
 TESTED: tuple[TestedRelease, ...] = (
     TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full"),
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
-    TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm"),
+    TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm",
+                  areal="1.0.4"),
     TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
     TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full",
                   megatron_bridge="0.6.2", verl="0.9.1"),
@@ -88,12 +93,12 @@ SUITE_NAMES = {"full": "the whole suite",
 
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
-    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | CI runs |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | CI runs |",
+            "|---|---|---|---|---|---|---|---|"]
     for leg in TESTED:
-        suite = SUITE_NAMES[leg.suite]
+        suite = SUITE_NAMES[leg.suite] + (" + the AReaL plug-in" if leg.areal else "")
         rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
-                    f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {suite} |")
+                    f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {leg.areal or '-'} | {suite} |")
     return "\n".join(rows)
 
 
@@ -181,10 +186,11 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
 
 
 def _ci_legs() -> str:
-    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl`` (``-``
-    for none)."""
+    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl areal``
+    (``-`` for none)."""
     return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
-                               leg.suite, leg.megatron_bridge or "-", leg.verl or "-")) for leg in TESTED)
+                               leg.suite, leg.megatron_bridge or "-", leg.verl or "-", leg.areal or "-"))
+                     for leg in TESTED)
 
 
 if __name__ == "__main__":

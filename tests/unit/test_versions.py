@@ -35,7 +35,7 @@ def test_the_readme_table_is_the_tested_legs():
     assert block and block.group(1).strip() == versions.tested_table()
     for leg in versions.TESTED:  # every row is a leg, in the order .ci/run runs them
         assert (f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
-                f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} |") in block.group(1)
+                f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {leg.areal or '-'} |") in block.group(1)
 
 
 def test_ci_runs_the_legs_of_versions_py():
@@ -46,8 +46,8 @@ def test_ci_runs_the_legs_of_versions_py():
     lines = versions._ci_legs().splitlines()
     assert len(lines) == len(versions.TESTED) >= 5
     for line, leg in zip(lines, versions.TESTED):
-        core, tag, checkout, python, torch, suite, bridge, verl = line.split()
-        assert bridge == (leg.megatron_bridge or "-") and verl == (leg.verl or "-")
+        core, tag, checkout, python, torch, suite, bridge, verl, areal = line.split()
+        assert bridge == (leg.megatron_bridge or "-") and verl == (leg.verl or "-") and areal == (leg.areal or "-")
         assert versions.in_range(core) and suite in versions.SUITE_NAMES
         assert tag.startswith("core_v" + ".".join(core.split(".")[:2]))
         assert checkout == leg.checkout
