@@ -3,7 +3,10 @@
 In the training script, after AReaL's own ``load_expr_config``::
 
     config, _ = load_expr_config(args, GRPOConfig)
-    use_pg_agg(config, "prompt_mean")          # or "seq_mean", "token_mean", ("constant", 512)
+    use_pg_agg(config)       # the objective of MEGATRON_PG_AGG_AREAL, e.g. prompt_mean or constant:512
+    use_pg_agg(config, "prompt_mean")          # or name it here
+
+(``launch/areal_gsm8k_grpo.py`` is AReaL's GSM8K GRPO example with that line.)
 
 What it does, in AReaL's own terms (docs/areal.md):
 
@@ -117,24 +120,38 @@ def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step
 
 
 def _dp_size(config) -> Optional[int]:
+    """The actor's DP size from AReaL's own parser of ``actor.backend`` (e.g. ``megatron:d4p1t1``)."""
     try:
-        from areal.api.alloc_mode import AllocationMode  # noqa: PLC0415
+        from areal.api.alloc_mode import ModelAllocation  # noqa: PLC0415
 
-        return AllocationMode.from_str(config.allocation_mode).train.dp_size
-    except Exception:  # noqa: BLE001  (an allocation this AReaL cannot parse: checked per step instead)
+        return ModelAllocation.from_str(config.actor.backend, name="actor").parallel.dp_size
+    except Exception:  # noqa: BLE001  (no or an unparsable backend: checked per step instead)
         return None
 
 
-def use_pg_agg(config, mode: str, divisor: Optional[float] = None, *,
+def use_pg_agg(config, mode: Optional[str] = None, divisor: Optional[float] = None, *,
                group_baseline: Optional[str] = None) -> ArealObjective:
     """Turn the plug-in on for an AReaL run configured by ``config`` (AReaL's ``GRPOConfig`` /
-    ``PPOConfig``, as ``load_expr_config`` returns it). ``group_baseline``: see
-    :attr:`ArealObjective.group_baseline`. Raises :class:`ArealConfigError` naming every refused
-    key; on success nothing else needs to change. Returns the objective."""
-    try:
-        objective = ArealObjective(mode, divisor, group_baseline)
-    except (TypeError, ValueError) as error:
-        raise ArealConfigError(str(error)) from error
+    ``PPOConfig``, as ``load_expr_config`` returns it). ``mode`` None: the objective of
+    ``MEGATRON_PG_AGG_AREAL`` (set on the launch, or in ``actor.scheduling_spec[i].env_vars`` of
+    AReaL's config). ``group_baseline``: see :attr:`ArealObjective.group_baseline`. Raises
+    :class:`ArealConfigError` naming every refused key; on success nothing else needs to change.
+    Returns the objective."""
+    if mode is None:
+        if divisor is not None or group_baseline is not None:
+            raise ArealConfigError("use_pg_agg: divisor and group_baseline go with a mode (or all in "
+                                   f"{ENV}=<mode>[:<L>][;group_baseline=...])")
+        specs = [spec.env_vars.get(ENV) for spec in getattr(config.actor, "scheduling_spec", None) or ()]
+        text = os.environ.get(ENV) or next((t for t in specs if t), None)
+        if not text:
+            raise ArealConfigError(f"use_pg_agg(config) without a mode reads {ENV}, which is set neither in this "
+                                   "process nor in actor.scheduling_spec[*].env_vars")
+        objective = ArealObjective.decode(text)
+    else:
+        try:
+            objective = ArealObjective(mode, divisor, group_baseline)
+        except (TypeError, ValueError) as error:
+            raise ArealConfigError(str(error)) from error
     dataset = getattr(config, "train_dataset", None)
     problems = config_problems(config.actor, objective, prompts_per_step=getattr(dataset, "batch_size", None),
                                dp_size=_dp_size(config))

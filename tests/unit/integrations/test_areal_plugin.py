@@ -98,3 +98,62 @@ def test_start_up_refusals_name_the_areal_keys():
     assert "actor.enable_tree_training=True" in config_problems(tree, objective)[0]
     m2 = SimpleNamespace(ppo_n_minibatches=1, m2_threshold=0.04, prox_logp_method="loglinear", use_decoupled_loss=True)
     assert "actor.m2_threshold with actor.prox_logp_method=loglinear" in config_problems(m2, objective)[0]
+
+
+USE_PG_AGG = """
+import importlib, os, subprocess, sys
+from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches
+apply_areal_cpu_patches()  # CPU: AReaL's engine module imports megatron.bridge (stood in here)
+import areal.engine
+from areal.api.cli_args import GRPOConfig
+from areal.engine.megatron_engine import MegatronPPOActor as own
+from megatron_pg_agg.integrations.areal_plugin import ENV, ArealObjective, use_pg_agg
+config = GRPOConfig()
+config.train_dataset.batch_size, config.actor.ppo_n_minibatches = 8, 2
+os.environ[ENV] = "constant:512;group_baseline=response_mean"
+assert use_pg_agg(config) == ArealObjective("constant", 512, "response_mean")
+assert all(s.env_vars[ENV] == os.environ[ENV] for s in config.actor.scheduling_spec)
+from areal.engine import MegatronPPOActor as chosen  # what AReaL's trainer imports
+assert chosen is not own and issubclass(chosen, own)
+path = chosen.__module__ + "." + chosen.__name__  # what its single-controller workers import
+code = ("from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
+        "import importlib; m, _, n = %r.rpartition('.'); c = getattr(importlib.import_module(m), n); "
+        "print('CLASS', c.__mro__[1].__module__, c.__mro__[1].__name__)" % path)
+out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+found = [line for line in out.stdout.splitlines() if line.startswith("CLASS ")]
+print("WORKER", path, *found, out.returncode)
+"""
+
+
+@pytest.mark.optional_stack
+def test_use_pg_agg_installs_the_actor_where_areals_trainer_and_workers_find_it():
+    """In a fresh interpreter, on AReaL's own GRPOConfig: the objective from MEGATRON_PG_AGG_AREAL
+    reaches every actor.scheduling_spec's env_vars, AReaL's trainer's lazy ``from areal.engine
+    import MegatronPPOActor`` gets the plug-in's class, and that class's import path (what AReaL's
+    single-controller workers import) resolves in another fresh interpreter. Catches the class
+    not installed, an unimportable path, or the mode not written for the workers."""
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", USE_PG_AGG], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert ("WORKER megatron_pg_agg.integrations.areal_plugin.PGAggMegatronPPOActor "
+            "CLASS areal.engine.megatron_engine MegatronPPOActor 0") in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.optional_stack
+def test_a_shape_that_would_cut_a_group_is_refused_naming_areals_keys(monkeypatch):
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+    from areal.api.cli_args import GRPOConfig
+
+    from megatron_pg_agg.integrations.areal_plugin import use_pg_agg
+
+    config = GRPOConfig()
+    config.actor.backend = "megatron:d2p1t1"  # AReaL's own allocation string: 2 DP ranks
+    config.train_dataset.batch_size, config.actor.ppo_n_minibatches = 8, 6
+    with pytest.raises(ArealConfigError, match="actor.ppo_n_minibatches=6 .*train_dataset.batch_size=8 over 2 DP"):
+        use_pg_agg(config, "prompt_mean")
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(ArealConfigError, match="reads MEGATRON_PG_AGG_AREAL"):
+        use_pg_agg(GRPOConfig())
