@@ -20,7 +20,7 @@ import torch
 
 from tests.support.optional import REQUIRE_AREAL, require
 
-GROUPS = (3, 2, 4, 3)  # responses per prompt group (ragged)
+GROUPS = (3, 1, 4, 3)  # responses per prompt group (ragged; a singleton group, as AReaL's n_samples=1 gives)
 EPS = 0.2
 DIVISOR = 6.0
 
@@ -57,7 +57,9 @@ def make_batch(seed: int = 0):
         "loss_mask": loss_mask * attention,
         "logprobs": old * attention,
         "prox_logp": old * attention,  # what compute_advantages sets without the decoupled loss
-        "advantages": torch.randn(bs, width, generator=g, dtype=torch.float64) * attention,
+        # mostly positive, so that J is of order 1: float32's rounding of AReaL's sums stays far below
+        # the 1e-6 check (advantages of both signs cancel to a J near 0 from terms of order 1)
+        "advantages": (torch.randn(bs, width, generator=g, dtype=torch.float64) + 1.0) * attention,
         "pg_agg_group": torch.tensor([grp for grp, _, _ in rows]).unsqueeze(1).expand(bs, width).clone(),
     }
     data = {k: (v.float() if v.dtype == torch.float64 else v) for k, v in data.items()}
@@ -266,3 +268,44 @@ def test_m2po_is_chosen_once_per_step_and_exact_under_every_split(mode):
         moved = max(float((s - stock[0]).norm()) / float(stock[0].norm()) for s in stock[1:])
         assert moved > 1e-2, moved
         print(f"AReaL's stock M2PO: gradient moved by up to {moved:.1%} with the split alone")
+
+
+@pytest.mark.optional_stack
+def test_token_mean_through_the_plugin_is_areals_own_loss_bit_for_bit():
+    """token_mean: c_t * D / W is exactly 1 and n_i / w_i is 1 without filtering, so AReaL's loss
+    sees its own advantages: the same value and gradient, bit for bit, under a 3-micro-batch split
+    (PR #1546's 'token_mean preserves the existing reduction path')."""
+    _areal()
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.trainer.ppo.actor import grpo_loss_fn
+    from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
+
+    from megatron_pg_agg.integrations.areal_loss import exact_loss_fn, prepare_step
+
+    data, current, _ = make_batch()
+    loss = functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None)
+    step = prepare_step({**data, "_current": current}, mode="token_mean", divisor=None)
+    for mb in split_padded_tensor_dict_into_mb_list(step, MicroBatchSpec(n_mbs=3)).mbs:
+        packed = pack_tensor_dict(mb)
+        if packed["loss_mask"].count_nonzero() == 0:
+            continue
+        a = packed["_current"].detach().requires_grad_(True)
+        b = packed["_current"].detach().requires_grad_(True)
+        ours, theirs = exact_loss_fn(loss)(a, a * 0, packed), loss(b, b * 0, packed)
+        assert torch.equal(ours, theirs)
+        assert torch.equal(torch.autograd.grad(ours, a)[0], torch.autograd.grad(theirs, b)[0])
+
+
+@pytest.mark.optional_stack
+def test_a_step_the_objective_cannot_take_is_refused_by_name():
+    """prompt_mean without the plug-in's group marks (its ppo_update did not run), and AReaL's
+    distillation term (its own token-mean denominator, in any mode)."""
+    _areal()
+    from megatron_pg_agg.integrations.areal_loss import GROUP, ArealBatchError, prepare_step
+
+    data, _, _ = make_batch()
+    unmarked = {k: v for k, v in data.items() if k != GROUP}
+    with pytest.raises(ArealBatchError, match="prompt_mean needs the prompt groups"):
+        prepare_step(unmarked, mode="prompt_mean", divisor=None)
+    with pytest.raises(ArealBatchError, match="teacher_logp"):
+        prepare_step({**data, "teacher_logp": data["logprobs"]}, mode="token_mean", divisor=None)
