@@ -39,6 +39,12 @@ Patches
     ``verl_engine`` (:mod:`.verl_engine`), verl 0.9: the step weights on verl's mini-batch before its
     micro-batch split, and the actor worker's loss set when ``loss_mode`` is ``pg_agg``
     (``megatron_pg_agg.integrations.verl_plugin``). Any device.
+    ``areal_actor`` (:mod:`.areal_actor`), AReaL 1.0.x: the actor's optimizer steps cut along whole
+    prompt groups for the plug-in's marked batches (``megatron_pg_agg.integrations.areal_plugin``
+    applies it). Any device.
+    AReaL's Megatron engine on CPU (tests): :func:`.areal_cpu.apply_areal_cpu_patches` applies
+    ``cpu_gloo`` and the stand-ins ``areal_engine_cpu``, ``mbridge_pins``, ``mbridge_cpu``,
+    ``areal_mbridge_dtype``, ``distrib_optimizer_cpu`` (each CPU-only; docs/areal.md).
 
 Usage::
 
