@@ -88,3 +88,17 @@ def test_a_training_run_prints_no_warning_on_this_release(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[train] done: 1 iterations" in out.stderr, out.stderr[-3000:]
     _shows_no_warning(out.stderr)
+
+
+def test_the_parity_commands_help_is_its_usage_alone():
+    """``python -m megatron_pg_agg.parity --help`` (a fresh interpreter, every warning on): the
+    usage text and nothing from megatron-core before it (the package imports megatron-core only
+    after the command has set the filters). Catches a module-level import of megatron-core in
+    the parity package's __init__ again."""
+    env = child_env()
+    env.pop("PYTHONWARNINGS")
+    out = subprocess.run([sys.executable, "-m", "megatron_pg_agg.parity", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("usage: megatron-pg-agg-parity"), out.stdout[:500]
+    assert out.stderr.strip() == "", out.stderr[-3000:]
