@@ -42,7 +42,7 @@ import torch
 
 from megatron_pg_agg.core.modes import PROMPT_MEAN
 
-from .step_weights import dp_step_weights
+from .step_weights import dp_step_weights, gather_over_dp
 
 __all__ = ["GROUP", "COEF", "NUMERATOR", "ArealBatchError", "tag_groups", "whole_group_minibatches", "take_rows",
            "prepare_step", "step_m2po_numerator", "exact_loss_fn", "ResponseGroupBaseline"]
@@ -109,12 +109,7 @@ def step_m2po_numerator(old_logp: torch.Tensor, prox_logp: torch.Tensor, mask: t
 
     flat = mask.reshape(-1).bool()
     mine = (old_logp.reshape(-1)[flat].float().cpu(), prox_logp.reshape(-1)[flat].float().cpu())
-    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-        gathered = [None] * torch.distributed.get_world_size(dp_group)
-        torch.distributed.all_gather_object(gathered, mine, group=dp_group)
-        rank = torch.distributed.get_rank(dp_group)
-    else:
-        gathered, rank = [mine], 0
+    gathered, rank = gather_over_dp(mine, dp_group)
     old_all = torch.cat([g[0] for g in gathered])
     prox_all = torch.cat([g[1] for g in gathered])
     keep = _apply_m2po_masking(old_all, prox_all, torch.ones_like(old_all, dtype=torch.bool), threshold)

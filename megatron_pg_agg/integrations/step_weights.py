@@ -22,7 +22,7 @@ import torch
 from megatron_pg_agg.core.aggregation import token_weights
 from megatron_pg_agg.core.segments import exclusive_cumsum
 
-__all__ = ["StepWeights", "dp_step_weights", "global_layout"]
+__all__ = ["StepWeights", "dp_step_weights", "gather_over_dp", "global_layout"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,16 @@ class StepWeights:
     """D: the step's valid (denominator) tokens on every DP rank."""
 
 
+def gather_over_dp(mine, dp_group=None) -> tuple:
+    """``(every DP rank's mine, in rank order; this rank's index)``: one ``all_gather_object`` over
+    ``dp_group`` (host objects), or just ``mine`` without a group of more than one rank."""
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        gathered = [None] * torch.distributed.get_world_size(dp_group)
+        torch.distributed.all_gather_object(gathered, mine, group=dp_group)
+        return gathered, torch.distributed.get_rank(dp_group)
+    return [mine], 0
+
+
 def dp_step_weights(mask: torch.Tensor, numerator: torch.Tensor, lengths: torch.Tensor,
                     group_ids: Optional[Sequence], *, mode: str, divisor: Optional[float],
                     dp_group=None) -> StepWeights:
@@ -48,13 +58,7 @@ def dp_step_weights(mask: torch.Tensor, numerator: torch.Tensor, lengths: torch.
     prefix = exclusive_cumsum(mask.to(torch.int64))
     counts = (prefix[starts[1:]] - prefix[starts[:-1]]).tolist()  # host tensors: no device sync
     grouped = group_ids is not None
-    mine = (list(group_ids) if grouped else None, counts)
-    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-        gathered = [None] * torch.distributed.get_world_size(dp_group)
-        torch.distributed.all_gather_object(gathered, mine, group=dp_group)
-        rank = torch.distributed.get_rank(dp_group)
-    else:
-        gathered, rank = [mine], 0
+    gathered, rank = gather_over_dp((list(group_ids) if grouped else None, counts), dp_group)
     num_g, den_g, cu, group_sizes, local = global_layout(mask, numerator, lengths, gathered, rank, grouped)
     step = token_weights(num_g, mode=mode, divisor=divisor, cu_seqlens=cu, group_sizes=group_sizes,
                          denominator_mask=den_g)
