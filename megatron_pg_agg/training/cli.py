@@ -4,8 +4,10 @@ the shell sees torchrun's own status (1) and its ChildFailedError report after t
 from __future__ import annotations
 
 import logging
+import os
+import time
 
-from .logs import ALL_RANKS, setup_logging
+from .logs import ALL_RANKS, current_rank, setup_logging
 from .run_config import RunConfig, StartupError, parse_flags
 from .worker_process import keep_freed_memory, quiet_startup_noise, release_process_group, verbose_requested
 
@@ -28,9 +30,22 @@ def main(argv=None) -> int:
         # names), so rank 0 alone prints it; every rank exits 2
         logger.error(str(err))
         release_process_group()
+        _let_rank_0_speak_first()
         return 2
     except NonFiniteStepError as err:
         logger.error(f"stopped: {err}", extra=ALL_RANKS)
         release_process_group()
         return 3
     return 0
+
+
+RANK_0_HEAD_START_S = 10.0
+"""How long a rank other than 0 waits before it exits with a refusal (torchrun ends it sooner)."""
+
+
+def _let_rank_0_speak_first() -> None:
+    """Under torchrun the first rank to exit makes it stop the others: were it a silent rank, rank
+    0 could be stopped before its refusal is printed. So the other ranks wait for torchrun to stop
+    them once rank 0 has exited (at most :data:`RANK_0_HEAD_START_S`, then exit 2 themselves)."""
+    if current_rank() != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(RANK_0_HEAD_START_S)

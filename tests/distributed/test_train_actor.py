@@ -1,5 +1,6 @@
 """The main job: launch/train_actor.py under torchrun, start-up refusals, and two loopback nodes."""
 import json
+import re
 import sys
 
 import pytest
@@ -113,12 +114,16 @@ def test_a_refusal_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_pat
     """Two ranks refuse the same flags: the project's line appears once (rank 0 speaks), both
     ranks exit 2, and what the shell sees is torchrun's own status 1 and its report, as
     docs/failure-modes.md says. A real torchrun (fresh): its report is what is checked. Catches
-    the refusal logged on every rank again, or a rank exiting with another status."""
+    the refusal logged on every rank again, or a rank exiting with another status (each rank's own
+    status 2 without torchrun: test_invalid_runs_are_refused_before_any_process_group)."""
     rc, out, _ = run(torchrun(2, TRAIN, "--bf16", "--metrics-file", tmp_path / "m.jsonl"),
                      240, "refused under torchrun", fresh=True)
     assert rc == 1, out[-5000:]
     assert out.count("[train] refusing to start:") == 1, out[-5000:]
-    assert "ChildFailedError" in out and out.count("exitcode  : 2") == 2, out[-5000:]
+    # torchrun reports the first rank to exit (2) and may stop the other before it exits on its own
+    # (SIGTERM, -15): every status it reports is one of these
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert "ChildFailedError" in out and "2" in codes and set(codes) <= {"2", "-15"}, out[-5000:]
     assert not (tmp_path / "m.jsonl").exists()
 
 

@@ -5,10 +5,15 @@ from megatron_pg_agg.training.metrics import read_runs
 
 
 def trainer_records(path) -> tuple[list, list]:
-    """``(step records, final records)`` of every run in the file, in file order (the run-start
-    records left out)."""
+    """``(step records, final records)`` of every run in the file, in file order, without their
+    ``run_id`` (the tests compare runs' contents; the ids are checked where they are the point:
+    test_reliability.py's records tests), the run-start records left out."""
     runs = read_runs(str(path))
-    return [r for run in runs for r in run.steps], [r for run in runs for r in run.finals]
+
+    def content(record: dict) -> dict:
+        return {k: v for k, v in record.items() if k != "run_id"}
+
+    return ([content(r) for run in runs for r in run.steps], [content(r) for run in runs for r in run.finals])
 
 
 def first_step(path) -> dict:
