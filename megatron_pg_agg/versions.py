@@ -102,13 +102,13 @@ def tested_table() -> str:
     return "\n".join(rows)
 
 
-def distribution_version() -> str | None:
-    """The installed megatron-core distribution's version from its metadata alone, without
-    importing ``megatron.core`` (whose import emits the start-up warnings); None without one."""
+def distribution_version(name: str = "megatron-core") -> str | None:
+    """The installed distribution ``name``'s version from its metadata alone, without importing
+    it (importing ``megatron.core`` emits the start-up warnings); None when it is not installed."""
     import importlib.metadata
 
     try:
-        return importlib.metadata.version("megatron-core")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
 

@@ -32,20 +32,11 @@ SUPPORTED_AREAL = ">=1.0.4,<1.1"
 ACTOR = "areal.trainer.ppo.actor"
 
 
-def installed_areal_version():
-    import importlib.metadata  # noqa: PLC0415
-
-    try:
-        return importlib.metadata.version("areal")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def areal_problem():
     """Why the AReaL plug-in cannot run with the installed AReaL, or None."""
-    from megatron_pg_agg.versions import in_range  # noqa: PLC0415
+    from megatron_pg_agg.versions import distribution_version, in_range  # noqa: PLC0415
 
-    version = installed_areal_version()
+    version = distribution_version("areal")
     if version is None or not in_range(version, SUPPORTED_AREAL):
         return (f"the AReaL plug-in supports areal {SUPPORTED_AREAL!r}, but "
                 f"{'none' if version is None else version} is installed")

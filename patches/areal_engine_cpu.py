@@ -54,20 +54,11 @@ STOOD_IN_NAMES = {BRIDGE: ("AutoBridge",), "megatron.bridge.peft.lora": ("LoRA",
 """What ``areal.engine.megatron_engine`` imports from the stood-in modules (areal 1.0.4)."""
 
 
-def installed_mbridge_version():
-    import importlib.metadata  # noqa: PLC0415
-
-    try:
-        return importlib.metadata.version("mbridge")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def require_areal_on_cpu(name: str):
     """A precondition for the AReaL CPU patch ``name``: no CUDA, areal and mbridge in range."""
 
     def precondition() -> None:
-        from megatron_pg_agg.versions import in_range  # noqa: PLC0415
+        from megatron_pg_agg.versions import distribution_version, in_range  # noqa: PLC0415
 
         from .areal_actor import areal_problem  # noqa: PLC0415
 
@@ -77,7 +68,7 @@ def require_areal_on_cpu(name: str):
         problem = areal_problem()
         if problem is not None:
             raise RuntimeError(f"patch {name!r}: {problem}; nothing was patched.")
-        version = installed_mbridge_version()
+        version = distribution_version("mbridge")
         if version is None or not in_range(version, SUPPORTED_MBRIDGE):
             raise RuntimeError(f"patch {name!r} supports mbridge {SUPPORTED_MBRIDGE!r}, but "
                                f"{'none' if version is None else version} is installed; nothing was patched.")

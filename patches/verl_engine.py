@@ -38,19 +38,10 @@ ENGINE = "verl.workers.engine.megatron.transformer_impl"
 WORKERS = "verl.workers.engine_workers"
 
 
-def installed_verl_version():
-    import importlib.metadata  # noqa: PLC0415
-
-    try:
-        return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _require_verl() -> None:
-    from megatron_pg_agg.versions import in_range  # noqa: PLC0415
+    from megatron_pg_agg.versions import distribution_version, in_range  # noqa: PLC0415
 
-    version = installed_verl_version()
+    version = distribution_version("verl")
     if version is None or not in_range(version, SUPPORTED_VERL):
         raise RuntimeError(f"patch 'verl_engine' supports verl {SUPPORTED_VERL!r}, but "
                            f"{'none' if version is None else version} is installed; nothing was patched.")
