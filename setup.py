@@ -55,7 +55,7 @@ setup(
     version="0.1.0",
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
     packages=["megatron_pg_agg", "megatron_pg_agg.core", "megatron_pg_agg.data", "megatron_pg_agg.megatron",
-              "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations",
+              "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations", "megatron_pg_agg.online",
               "megatron_pg_agg.patches"],
     package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches"},
     python_requires=">=3.10",

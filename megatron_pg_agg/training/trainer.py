@@ -36,6 +36,7 @@ from megatron_pg_agg.data.plan_ahead import PlanAhead
 from megatron_pg_agg.data.planner import PlanConfig, padded_lengths, plan_step, policy_loss_notes, require_inputs
 from megatron_pg_agg.data.rollouts import PlanError
 from megatron_pg_agg.megatron.config_checks import check_megatron_config
+from megatron_pg_agg.megatron.logprob_pass import planned_logprobs, with_current_logprobs
 from megatron_pg_agg.megatron.model import (
     build_model_chunks,
     default_ddp_config,
@@ -153,16 +154,19 @@ class Session:
         return self.cfg.model.moe.enabled
 
 
-def setup(cfg: RunConfig) -> Session:
-    """Checks (before any process group), patches, process groups, model, optimizer and resume."""
+def setup(cfg: RunConfig, steps: Optional[dict] = None) -> Session:
+    """Checks (before any process group), patches, process groups, model, optimizer and resume.
+    ``steps``: ``{step: RolloutBatch}`` to train on instead of ``--rollouts`` / the built-in set
+    (an online source passes an empty dict and fills it as it samples: megatron_pg_agg.online)."""
     die_with_launcher()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world, backend=backend, te=te_usable())
     plan_cfg = cfg.plan_config(world)
-    steps = _check_steps(load_steps(cfg.data, cfg.loss, vocab_size=cfg.model.vocab_size, seed=cfg.training.seed),
-                         cfg, plan_cfg)  # host checks, before any process group
+    if steps is None:
+        steps = load_steps(cfg.data, cfg.loss, vocab_size=cfg.model.vocab_size, seed=cfg.training.seed)
+    steps = _check_steps(steps, cfg, plan_cfg)  # host checks, before any process group
     par = cfg.parallel
     # cpu_gloo: CPU/gloo shim (MoE layers included); moe_aux_loss: router aux/z losses keep
     # Megatron's default strength under the per-token contract (patches/moe_aux_loss.py)
@@ -286,16 +290,28 @@ def _log_layout(cfg: RunConfig, world: int, backend: str, num_steps: int, start:
                  f"dispatcher={moe.token_dispatcher_type}" if moe.enabled else ""))
 
 
-def train_step(s: Session) -> dict:
+def train_step(s: Session, *, recompute_old_logprobs: bool = False) -> dict:
     """One optimizer step on rollout step ``iteration mod S``: plan -> forward-backward (the step
-    runner) -> checks -> optimizer -> metrics. Returns the step's metrics record."""
+    runner) -> checks -> optimizer -> metrics. Returns the step's metrics record.
+
+    ``recompute_old_logprobs``: before the step, a forward-only pass over the same microbatches
+    replaces the rollouts' old log-probs with the current weights' (PPO's ratio is then 1 at the
+    step's start; with advantage 1 the step is supervised learning: megatron_pg_agg.online)."""
     cfg, state, model = s.cfg, s.state, s.model
     key = step_key(s.steps, state.iteration)
     t0 = time.perf_counter()
     plan = s.plans.get(state.iteration)  # built while the previous step ran (--pg-plan-ahead)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    microbatches = None
+    if recompute_old_logprobs:
+        mine = plan.for_rank(dp_rank)
+        current = planned_logprobs(model, mine, tp_group=s.groups.tensor, is_last_stage=s.groups.is_last_stage,
+                                   device=s.device)
+        # only the last pipeline stage reads old log-probs (in its loss function)
+        microbatches = with_current_logprobs(mine, current) if s.groups.is_last_stage else mine
     s.optimizer.zero_grad()
-    result = run_pg_step(model, plan, cfg.loss, s.groups, dp_rank=parallel_state.get_data_parallel_rank(),
-                         experts=s.experts, device=s.device)
+    result = run_pg_step(model, plan, cfg.loss, s.groups, dp_rank=dp_rank, experts=s.experts, device=s.device,
+                         microbatches=microbatches)
     skipped, grad_norm = _optimizer_step(s, result, plan.totals.pg_weight, key)
     state.iteration += 1
     elapsed = time.perf_counter() - t0
