@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--updates-per-batch", type=int, default=2)
     parser.add_argument("--rl-lr", type=float, default=1e-3, help="Adam learning rate of the RL runs")
-    parser.add_argument("--warmup-steps", type=int, default=60)
+    parser.add_argument("--warmup-steps", type=int, default=60, help="supervised warm-up steps per seed")
+    parser.add_argument("--warmup-lr", type=float, default=3e-3, help="Adam learning rate of the warm-up")
     parser.add_argument("--check-on-policy-every", type=int, default=0, metavar="N",
                         help="every N-th step also record on_policy_error: the largest gap between the "
                              "sampler's and the trainer's log-probs before the update (0: never)")

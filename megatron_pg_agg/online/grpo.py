@@ -184,18 +184,7 @@ class OnlineRun:
         ``moved_error``, the same after the step's updates (a control: it must be well above the
         first once the weights have moved)."""
         t0 = time.perf_counter()
-        targets = self.task.targets(cfg.prompts_per_step, random.Random(_seeded(seed, 2, step)))
-        mine = slice(self.dp_rank * cfg.prompts_per_step // self.dp_size,
-                     (self.dp_rank + 1) * cfg.prompts_per_step // self.dp_size)
-        prompts = torch.tensor([self.task.prompt(t) for t in targets[mine] for _ in range(cfg.group_size)])
-        generator = torch.Generator().manual_seed(_seeded(seed, 3, step, self.dp_rank))
-        samples = sample_responses(self.s.model[0], prompts, max_new_tokens=self.task.max_response_tokens,
-                                   eos=EOS, generator=generator)
-        local = ([samples.response(i) for i in range(len(prompts))],
-                 [samples.response_logprobs(i) for i in range(len(prompts))])
-        gathered, _ = gather_over_dp(local, self.dp_group)
-        responses = [r for part in gathered for r in part[0]]
-        logprobs = [lp for part in gathered for lp in part[1]]
+        targets, responses, logprobs = self._sample(cfg, (seed, 2, step), (seed, 3, step))
         sample_s = time.perf_counter() - t0
         group_targets = [t for t in targets for _ in range(cfg.group_size)]
         rewards = self.task.scores(group_targets, responses)
@@ -213,6 +202,30 @@ class OnlineRun:
                 "objective": updates[0]["objective"], "ratio_first": updates[0].get("ratio"),
                 "grad_norm": updates[0]["grad_norm"], "clip_fraction_last": updates[-1].get("clip_fraction"),
                 **checks, "sample_s": sample_s, "step_s": time.perf_counter() - t0}
+
+    def evaluate(self, cfg: GrpoConfig, seed: int) -> dict:
+        """:func:`response_stats` of one step's worth of samples from the current weights, on
+        prompts and draws of their own (nothing is trained): the warm start's accuracy."""
+        targets, responses, _ = self._sample(cfg, (seed, 4), (seed, 5))
+        rewards = self.task.scores([t for t in targets for _ in range(cfg.group_size)], responses)
+        return response_stats(rewards, responses, self.task)
+
+    def _sample(self, cfg: GrpoConfig, prompt_seed: tuple, draw_seed: tuple) -> tuple:
+        """``(targets, responses, behaviour log-probs)`` of a whole step, on every rank: the same
+        ``prompts_per_step`` targets everywhere (seeded by ``prompt_seed``), each DP rank sampling
+        ``group_size`` responses for its share (seeded by ``draw_seed`` and the DP rank), gathered
+        over DP in rank order; response ``i`` answers ``targets[i // group_size]``."""
+        targets = self.task.targets(cfg.prompts_per_step, random.Random(_seeded(*prompt_seed)))
+        mine = slice(self.dp_rank * cfg.prompts_per_step // self.dp_size,
+                     (self.dp_rank + 1) * cfg.prompts_per_step // self.dp_size)
+        prompts = torch.tensor([self.task.prompt(t) for t in targets[mine] for _ in range(cfg.group_size)])
+        generator = torch.Generator().manual_seed(_seeded(*draw_seed, self.dp_rank))
+        samples = sample_responses(self.s.model[0], prompts, max_new_tokens=self.task.max_response_tokens,
+                                   eos=EOS, generator=generator)
+        local = ([samples.response(i) for i in range(len(prompts))],
+                 [samples.response_logprobs(i) for i in range(len(prompts))])
+        gathered, _ = gather_over_dp(local, self.dp_group)
+        return (targets, [r for part in gathered for r in part[0]], [lp for part in gathered for lp in part[1]])
 
     def _logprob_error(self, plan) -> float:
         """``max |log p - old_logprobs|`` over the scored tokens of every DP rank's microbatches of

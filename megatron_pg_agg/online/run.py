@@ -51,7 +51,7 @@ def run_comparison(args, variants: list, extra: list) -> int:
         base = RunConfig.from_args(parse_flags(trainer_flags(task, "token_mean", extra)))
         grpo = GrpoConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                           updates_per_batch=args.updates_per_batch, steps=args.steps, lr=args.rl_lr,
-                          warmup_steps=args.warmup_steps)
+                          warmup_steps=args.warmup_steps, warmup_lr=args.warmup_lr)
         problems = online_problems(base, grpo, world)
         problems += output_folder_problem(args.out, "--out", kind=OUTPUT_KIND)
         if problems:
@@ -79,10 +79,12 @@ def run_comparison(args, variants: list, extra: list) -> int:
         with open(os.path.join(temp, "steps.jsonl"), "w") if rank0 else open(os.devnull, "w") as out:
             for seed in seeds:
                 t0 = time.perf_counter()
-                warm = run.warm_up(grpo, seed, initial)
+                run.warm_up(grpo, seed, initial)
                 start = run.snapshot()
-                logger.info(f"seed {seed}: warm-up {grpo.warmup_steps} steps in {elapsed(t0)} "
-                            f"(last objective {warm.get('objective', float('nan')):.4f})")
+                warm = run.evaluate(grpo, seed)
+                logger.info(f"seed {seed}: warm-up {grpo.warmup_steps} steps in {elapsed(t0)}: accuracy "
+                            f"{warm['accuracy']:.2f}, incorrect length {warm['length_incorrect']:.1f}, "
+                            f"correct length {warm['length_correct']:.1f}")
                 for variant in variants:
                     loss = PGLossConfig(mode=variant.mode,
                                         divisor=float(task.max_response_tokens) if variant.mode == "constant" else None)
