@@ -1,0 +1,158 @@
+"""The per-sample denominators that make slime's own loss exact in every mode (host side, no slime import).
+
+slime (THUDM/slime, Megatron backend, ``--calculate-per-token-loss`` off) back-propagates, for one
+optimizer step of ``gbs`` rollouts (``--global-batch-size``; slime's ``build_dp_schedule`` step),
+
+    J_slime = (1 / gbs) * sum_i sum_t m_it l_it / clamp_min(D_i, 1)
+
+whatever the micro-batches, DP ranks and CP shards (its ``get_sum_of_sample_mean`` with
+``D_i = rollout_mask_sums[i]``, then ``loss * num_mb / gbs * dp_cp`` undone by megatron-core's
+``1 / num_mb`` and DDP's average). ``m_it`` is the loss mask slime hands the loss: the numerator
+mask ``n`` of the project's contract (:mod:`megatron_pg_agg.core.aggregation`). The project's
+objective for the step is ``J = (1 / W) sum_t c_t n_t l_t`` with ``c_t`` and ``W`` from
+:func:`~megatron_pg_agg.core.aggregation.token_weights`; ``c_t`` is one value ``c_i`` over a
+sample's tokens in every mode. So
+
+    D_i = W / (gbs * c_i)
+
+makes ``J_slime = J`` exactly, as long as every ``D_i`` of a sample with a numerator token is at
+least 1 (the clamp). Per mode (``N`` valid tokens of the step, ``S`` active sequences, ``P`` active
+prompt groups, ``D_s`` / ``T_g`` the valid tokens of a sequence / group): token_mean ``N / gbs``,
+seq_mean ``S * D_s / gbs``, prompt_mean ``P * T_g / gbs``, constant ``S * L / gbs``. A sample with
+no numerator token adds nothing whatever its ``D_i``; it gets 1. A ``D_i < 1`` is refused
+(:class:`SlimeConfigError`, naming the samples), never clamped: slime would silently train another
+objective.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+import torch
+
+from megatron_pg_agg.core.aggregation import token_weights
+from megatron_pg_agg.core.modes import CONSTANT, PROMPT_MEAN, resolve_mode
+from megatron_pg_agg.core.segments import exclusive_cumsum
+
+__all__ = ["SlimeConfigError", "SlimeObjective", "step_denominators", "CLAMP_SLACK"]
+
+CLAMP_SLACK = 1e-6
+"""A ``D_i`` within this relative distance below 1 is accepted (float32 rounding of an exact 1:
+the clamp then moves the sample's weight by less than that)."""
+
+_FORMULA = {"token_mean": "N/gbs (valid tokens of the step / --global-batch-size)",
+            "seq_mean": "S*D_s/gbs (active samples of the step x the sample's valid tokens / --global-batch-size)",
+            "prompt_mean": "P*T_g/gbs (active groups of the step x the group's valid tokens / --global-batch-size)",
+            "constant": "S*L/gbs (active samples of the step x pg_agg_divisor / --global-batch-size)"}
+
+
+class SlimeConfigError(ValueError):
+    """A slime configuration or rollout the plug-in refuses (names the flags or the samples)."""
+
+
+@dataclass(frozen=True)
+class SlimeObjective:
+    """The objective the plug-in trains: one of the project's modes (aliases resolved)."""
+
+    mode: str
+    """token_mean, seq_mean, prompt_mean or constant."""
+    divisor: Optional[float] = None
+    """constant's L; None for every other mode."""
+
+    def __post_init__(self) -> None:
+        try:
+            mode, divisor = resolve_mode(self.mode, self.divisor)
+        except (TypeError, ValueError) as error:
+            raise SlimeConfigError(f"pg_agg_mode={self.mode!r}, pg_agg_divisor={self.divisor!r}: {error}") from error
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "divisor", divisor)
+
+
+def _packed(masks: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(m) for m in masks], dtype=torch.int64)
+    flat = [int(v) for m in masks for v in m]
+    return torch.tensor(flat, dtype=torch.bool), exclusive_cumsum(lengths)
+
+
+def step_denominators(denominator_masks: Sequence[Sequence[int]], numerator_masks: Sequence[Sequence[int]],
+                      steps: Sequence[Sequence[int]], group_ids: Optional[Sequence[Hashable]], *,
+                      global_batch_size: int, objective: SlimeObjective,
+                      names: Optional[Sequence[str]] = None) -> list[float]:
+    """``D_i`` for every sample (module docstring), float64 host values.
+
+    ``denominator_masks[i]`` / ``numerator_masks[i]``: sample i's response mask before / after
+    slime's filtering (``n <= d``); ``steps``: the sample indices of each optimizer step, in slime's
+    order (samples in no step are never trained: they get 1); ``group_ids``: the prompt group of
+    each sample (prompt_mean; a group must lie in one step); ``names``: how errors name a sample.
+    Raises :class:`SlimeConfigError` naming every sample whose ``D_i`` would be below 1, and every
+    prompt group cut across steps."""
+    count = len(denominator_masks)
+    if len(numerator_masks) != count:
+        raise ValueError(f"{len(numerator_masks)} numerator masks for {count} samples")
+    names = list(names) if names is not None else [f"sample {i}" for i in range(count)]
+    for i, (d, n) in enumerate(zip(denominator_masks, numerator_masks)):
+        if len(d) != len(n) or any(int(a) and not int(b) for a, b in zip(n, d)):
+            raise ValueError(f"{names[i]}: the numerator mask must have the denominator mask's length and lie "
+                             "inside it")
+    grouped = objective.mode == PROMPT_MEAN
+    if grouped:
+        if group_ids is None or any(g is None for g in group_ids):
+            missing = [names[i] for i in range(count) if group_ids is None or group_ids[i] is None]
+            raise SlimeConfigError("prompt_mean needs each sample's prompt group (slime's Sample.group_index); "
+                                   f"it is None for: {', '.join(missing[:20])}")
+        step_of = {}
+        for s, members in enumerate(steps):
+            for i in members:
+                step_of.setdefault(group_ids[i], set()).add(s)
+        trained = {i for members in steps for i in members}
+        for i in range(count):
+            if i not in trained and group_ids[i] in step_of:
+                step_of[group_ids[i]].add("the remainder slime drops")
+        cut = {g: s for g, s in step_of.items() if len(s) > 1}
+        if cut:
+            raise SlimeConfigError(
+                "prompt_mean needs every prompt group inside one optimizer step, but slime's step grouping "
+                "(--global-batch-size rollouts in order) cuts " + "; ".join(
+                    f"group {g} over steps {sorted(s, key=str)}" for g, s in list(cut.items())[:20])
+                + ": make --global-batch-size a multiple of --n-samples-per-prompt (and keep a group's "
+                "samples together)")
+    out = [1.0] * count
+    low = []
+    for s, members in enumerate(steps):
+        members = list(members)
+        if grouped:  # groups consecutive, in order of first appearance (stable inside a group)
+            first = {}
+            for pos, i in enumerate(members):
+                first.setdefault(group_ids[i], pos)
+            members.sort(key=lambda i: first[group_ids[i]])
+        den, cu = _packed([denominator_masks[i] for i in members])
+        num, _ = _packed([numerator_masks[i] for i in members])
+        group_sizes = None
+        if grouped:
+            group_sizes = []
+            for pos, i in enumerate(members):
+                if pos and group_ids[members[pos - 1]] == group_ids[i]:
+                    group_sizes[-1] += 1
+                else:
+                    group_sizes.append(1)
+        weights = token_weights(num, mode=objective.mode, divisor=objective.divisor, cu_seqlens=cu,
+                                group_sizes=group_sizes, denominator_mask=den)
+        total = int(weights.count.sum())  # W of the step
+        for k, i in enumerate(members):
+            coef = weights.coef[int(cu[k]):int(cu[k + 1])]
+            c_i = float(coef.max()) if coef.numel() else 0.0
+            if c_i <= 0.0:  # no numerator token: adds nothing
+                continue
+            out[i] = total / (global_batch_size * c_i)
+            if out[i] < 1.0 - CLAMP_SLACK:
+                low.append((names[i], s, out[i]))
+    if low:
+        formula = _FORMULA[objective.mode] + (f", L = {objective.divisor:g}" if objective.mode == CONSTANT else "")
+        raise SlimeConfigError(
+            f"megatron_pg_agg cannot make slime's loss exact for this rollout: {objective.mode} needs "
+            f"rollout_mask_sums D_i = {formula} >= 1, because slime's get_sum_of_sample_mean divides by "
+            f"clamp_min(D_i, 1); below 1 it would train another objective. Too small: " + "; ".join(
+                f"{name} (step {s}): D_i = {d:.4g}" for name, s, d in low[:20])
+            + (f" and {len(low) - 20} more" if len(low) > 20 else "")
+            + ". Lower --global-batch-size, or choose a mode (or a larger pg_agg_divisor) whose D_i stay >= 1")
+    return out

@@ -1,0 +1,152 @@
+"""The slime plug-in on slime's own code (snapshot 624b824, a user's checkout given at run time) in
+megatron-core 0.16.1's schedule, CPU, gloo: one torchrun launch per world size (1 rank: DP 1 x CP 1;
+2 ranks: DP 2 x CP 1, then DP 1 x CP 2).
+
+tests/distributed/workers/slime_worker.py runs, per case, slime's rollout manager conversion (its
+dispatch to the plug-in's hook by the flag's dotted path), its ``_split_train_data_by_dp``
+(``build_dp_schedule``), ``process_rollout_data``, ``compute_advantages_and_returns``, and its
+``train()`` (``get_batch``, ``loss_function`` / ``get_sum_of_sample_mean``, megatron-core's
+``forward_backward_func``, DDP, ``finalize_model_grads``) on slime's own parsed args; the reference is
+the same model in float64 with the README's formulas written out in the worker.
+
+Stand-ins (named in the worker's docstring, where they are installed): inert modules for what
+slime imports but this path never calls (``httpx``, ``wandb``, ``requests``, ``urllib3``,
+``sglang``, ``sglang_router``, ``ray.util.scheduling_strategies``, ``torch_memory_saver``);
+``ray.remote`` / ``ray.put`` / ``ray.get`` (one process holds both sides); a silent ``tqdm``; a CPU
+accelerator through slime's own ``set_accelerator``; the project's ``PerTokenLM`` as the model
+(CP without Transformer Engine's ring attention: each token's logits depend on that token only);
+an optimizer that records the reduced gradient instead of stepping; the actor's
+``_get_rollout_data`` restated (its module imports torch_memory_saver, transformers and sglang);
+megatron-core on CPU through the project's ``cpu_gloo`` and ``megatron_lm_cpu`` patches.
+
+Skips without a slime checkout (``MEGATRON_PG_AGG_SLIME``, else ``../shared/third_party/slime-624b824``)
+or a Megatron-LM one; fails instead under ``MEGATRON_PG_AGG_REQUIRE_SLIME=1`` (CI's 0.16.1 leg).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_pg_agg.integrations.slime_plugin import CHECKOUT_ENV, checkout_problem
+from tests.support.launching import child_env, run, torchrun, worker
+from tests.support.optional import REQUIRE_MEGATRON_LM, require
+
+REQUIRE_SLIME = "MEGATRON_PG_AGG_REQUIRE_SLIME"
+THIRD_PARTY = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "third_party")
+OBJECTIVE_TOL = 1e-6  # of max(|J|, 0.01)
+GRAD_TOL = 1e-5  # relative, whole gradient
+MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
+SPLITS = ("static1", "static3", "dynamic")
+LAYOUTS = {1: ("dp1cp1",), 2: ("dp2cp1", "dp1cp2")}
+GBS = 6
+
+
+def _paths() -> tuple[str, str]:
+    slime = os.environ.get(CHECKOUT_ENV) or os.path.join(THIRD_PARTY, "slime-624b824")
+    require(checkout_problem(slime if os.path.isdir(slime) else None), REQUIRE_SLIME)
+    megatron_lm = os.environ.get("MEGATRON_LM_PATH") or os.path.join(THIRD_PARTY, "Megatron-LM")
+    if not os.path.isdir(os.path.join(megatron_lm, "megatron", "training")):
+        require(f"no Megatron-LM checkout at {megatron_lm} (MEGATRON_LM_PATH)",
+                REQUIRE_SLIME if os.environ.get(REQUIRE_SLIME) == "1" else REQUIRE_MEGATRON_LM)
+    return os.path.abspath(slime), os.path.abspath(megatron_lm)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """{layout: {case: result}} from one launch per world size (every case each)."""
+    slime, megatron_lm = _paths()
+    tmp = tmp_path_factory.mktemp("slime")
+    env = child_env(MEGATRON_PG_AGG_SLIME=slime, MEGATRON_LM_PATH=megatron_lm)
+    out = {}
+    for world in (1, 2):
+        path = tmp / f"world{world}.json"
+        rc, log, elapsed = run(torchrun(world, *worker("slime_worker"), path), 600, f"slime world {world}", env=env)
+        assert rc == 0, log[-20000:]
+        data = json.loads(path.read_text())
+        print(f"slime world {world}: {len(data['cases'])} cases in {elapsed:.1f}s")
+        for name, case in data["cases"].items():
+            layout, case_name = name.split("/")
+            out.setdefault(layout, {})[case_name] = case
+    assert sorted(out) == sorted(LAYOUTS[1] + LAYOUTS[2])
+    return out
+
+
+def _errors(step: dict) -> tuple[float, float]:
+    return abs(step["objective"] - step["reference"]) / max(abs(step["reference"]), 0.01), step["grad_error"]
+
+
+def test_every_mode_split_and_layout_equals_the_float64_reference(results):
+    """4 modes (constant with L = 12) x micro-batches static 1, static 3 and dynamic (a 30-token cap)
+    x DP 1/2, CP 1/2, two optimizer steps each: J (slime's own logged train/loss) within 1e-6 of
+    max(|J|, 0.01) of the float64 reference and the reduced gradient within 1e-5. The removed sample
+    counts in the denominator (filtered numerator), the fully masked one nowhere. Catches D_i per
+    micro-batch or rank, the numerator mask as the denominator, a step grouping that is not
+    slime's (the reference groups the steps itself), gbs left out, the CP chunks' denominators."""
+    worst = {}
+    for layout, cases in results.items():
+        for mode in MODES:
+            for split in SPLITS:
+                case = cases[f"{mode}-{split}"]
+                assert len(case["steps"]) == 2, (layout, mode, split)
+                for step in case["steps"]:
+                    obj, grad = _errors(step)
+                    assert obj <= OBJECTIVE_TOL and grad <= GRAD_TOL, (layout, mode, split, step)
+                    assert step["increment"] == GBS  # slime's scheduler counted the step's rollouts
+                    w = worst.setdefault(mode, [0.0, 0.0])
+                    w[0], w[1] = max(w[0], obj), max(w[1], grad)
+    print("slime worst per mode (objective, gradient): " + "; ".join(
+        f"{m} {o:.1e} {g:.1e}" for m, (o, g) in worst.items()))
+
+
+def test_the_micro_batch_splits_differ(results):
+    """The splits are really different: micro-batches per rank and step (static 1 and 3 follow
+    --micro-batch-size over the DP size; dynamic the token cap times CP)."""
+    expected = {"dp1cp1": {"static1": [6, 6], "static3": [2, 2]}, "dp2cp1": {"static1": [3, 3], "static3": [1, 1]},
+                "dp1cp2": {"static1": [6, 6], "static3": [2, 2]}}
+    for layout, cases in results.items():
+        for split, counts in expected[layout].items():
+            assert cases[f"token_mean-{split}"]["num_microbatches"] == counts, (layout, split)
+        dynamic = cases["token_mean-dynamic"]["num_microbatches"]
+        assert dynamic not in expected[layout].values(), (layout, dynamic)
+
+
+def test_control_slimes_stock_token_mean_moves_with_a_fully_masked_sample(results):
+    """slime's own --calculate-per-token-loss, no plug-in: exact on the batch without a fully
+    masked sample; with one (sample 4; sample 7 removed, which slime masks whole), each step's J
+    and gradient are the reference's times N / (N + k), k the fully masked samples: clamp_min(M_i, 1)
+    counts each as a token."""
+    moved = []
+    for layout, cases in results.items():
+        for split in SPLITS:
+            for step in cases[f"stock-token_mean-clean-{split}"]["steps"]:
+                obj, grad = _errors(step)
+                assert obj <= OBJECTIVE_TOL and grad <= GRAD_TOL, (layout, split, step)
+            for step in cases[f"stock-token_mean-{split}"]["steps"]:
+                n, k = step["valid_tokens"], step["fully_masked"]
+                assert k == 1
+                factor = n / (n + k)
+                assert abs(step["objective"] - factor * step["reference"]) <= 1e-6 * abs(step["reference"]), step
+                assert abs(step["grad_error"] - (1 - factor)) <= 1e-5, step
+                moved.append(1 - factor)
+    print(f"slime's stock token mean with one fully masked sample: J and gradient off by "
+          f"{min(moved):.2%} to {max(moved):.2%}")
+
+
+def test_a_denominator_below_one_is_refused_naming_the_samples(results):
+    """constant with L = 1 (D_i = S*L/gbs = 5/6 in step 0, 6/6 in step 1): slime's conversion hook
+    raises before anything trains, naming each sample of step 0 with its D_i and the clamp; L = 12
+    (D_i = 10) trains exactly (the test above)."""
+    for layout, cases in results.items():
+        text = cases["refused-constant-L1"]["refused"]
+        assert "clamp_min(D_i, 1)" in text, text
+        for i in (0, 1, 2, 3, 5):
+            assert f"sample {i} (Sample.index {i}, group_index {i // 3}) (step 0): D_i = 0.8333" in text, (layout, i)
+        assert "sample 4 " not in text and "(step 1)" not in text, text  # inactive; step 1 has D_i = 1
+
+
+def test_the_skip_reason_names_the_variable_or_the_folder():
+    """Without a checkout the reason names the variable; a folder that is not slime is named."""
+    assert CHECKOUT_ENV in checkout_problem(None)
+    assert "not a slime checkout" in checkout_problem(os.path.dirname(__file__))
