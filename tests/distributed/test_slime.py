@@ -19,8 +19,9 @@ an optimizer that records the reduced gradient instead of stepping; the actor's
 ``_get_rollout_data`` restated (its module imports torch_memory_saver, transformers and sglang);
 megatron-core on CPU through the project's ``cpu_gloo`` and ``megatron_lm_cpu`` patches.
 
-Skips without a slime checkout (``MEGATRON_PG_AGG_SLIME``, else ``../shared/third_party/slime-624b824``)
-or a Megatron-LM one; fails instead under ``MEGATRON_PG_AGG_REQUIRE_SLIME=1`` (CI's 0.16.1 leg).
+Skips without a slime checkout in ``MEGATRON_PG_AGG_SLIME`` (docs/slime.md) or a Megatron-LM one
+(``MEGATRON_LM_PATH``, else ``../shared/third_party/Megatron-LM``); fails instead under
+``MEGATRON_PG_AGG_REQUIRE_SLIME=1`` (CI's 0.16.1 leg).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ GBS = 6
 
 
 def _paths() -> tuple[str, str]:
-    slime = os.environ.get(CHECKOUT_ENV) or os.path.join(THIRD_PARTY, "slime-624b824")
-    require(checkout_problem(slime if os.path.isdir(slime) else None), REQUIRE_SLIME)
+    slime = os.environ.get(CHECKOUT_ENV)
+    require(checkout_problem(slime), REQUIRE_SLIME)
     megatron_lm = os.environ.get("MEGATRON_LM_PATH") or os.path.join(THIRD_PARTY, "Megatron-LM")
     if not os.path.isdir(os.path.join(megatron_lm, "megatron", "training")):
         require(f"no Megatron-LM checkout at {megatron_lm} (MEGATRON_LM_PATH)",

@@ -18,7 +18,6 @@ from megatron_pg_agg.integrations.slime_weights import SlimeConfigError, SlimeOb
 from tests.support.optional import require
 
 REQUIRE_SLIME = "MEGATRON_PG_AGG_REQUIRE_SLIME"
-DEFAULT_CHECKOUT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "third_party", "slime-624b824")
 
 
 def make_rollout(seed: int, groups=(3, 2, 3, 4), steps=2):
@@ -153,7 +152,7 @@ def test_objective_and_flags_refused_by_name():
 
 
 def _checkout() -> str:
-    path = os.environ.get(CHECKOUT_ENV) or (DEFAULT_CHECKOUT if os.path.isdir(DEFAULT_CHECKOUT) else None)
+    path = os.environ.get(CHECKOUT_ENV)
     require(checkout_problem(path), REQUIRE_SLIME)
     return os.path.abspath(path)
 
