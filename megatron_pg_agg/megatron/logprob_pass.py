@@ -25,10 +25,12 @@ __all__ = ["planned_logprobs", "with_current_logprobs"]
 
 
 def planned_logprobs(model: list, microbatches: list, *, tp_group=None, is_last_stage: bool = True,
-                     device: Optional[torch.device] = None) -> list:
+                     device: Optional[torch.device] = None, seq_length: Optional[int] = None) -> list:
     """``[T]`` float32 log-probs of each microbatch's labels under the current weights (one tensor
     per microbatch, on the last pipeline stage; an empty list on the others). Positions that score
-    nothing hold the log-prob of label 0 (callers mask them, as the loss does)."""
+    nothing hold the log-prob of label 0 (callers mask them, as the loss does). ``seq_length``: the
+    pipeline's p2p buffer length (as the training step's schedule gets it), default the longest
+    microbatch."""
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -44,7 +46,7 @@ def planned_logprobs(model: list, microbatches: list, *, tp_group=None, is_last_
         return forward_microbatch(chunk, mb), gather_logprobs
 
     with torch.no_grad():
-        store = run_schedule(model, microbatches, forward_step, forward_only=True)
+        store = run_schedule(model, microbatches, forward_step, forward_only=True, seq_length=seq_length)
     return [report["logprobs"] for report in store] if is_last_stage else []
 
 

@@ -6,7 +6,7 @@ user's core_v0.19.x checkout, and keeps Megatron-LM's own:
 
 * environments, agents and inference engine (``--langrl-env-config``; or rollouts replayed from a
   file, ``--pg-replay-rollouts``, :mod:`.rl_replay`);
-* group advantages, old and reference log-probs, ``--grpo-iterations`` passes, re-collection,
+* group advantages, the reference weights, ``--grpo-iterations`` passes, re-collection,
   checkpoints (``--save``/``--load``), LR schedule, and its RL logging and TensorBoard metrics.
 
 The project supplies:
@@ -14,6 +14,8 @@ The project supplies:
 * the step composition (:mod:`.rl_collection`): each optimizer step is ``--global-batch-size /
   --grpo-group-size`` whole prompt groups, planned with the step weights computed before the
   split (a shape that would cut a group across steps is refused at start-up, naming the flags);
+* the old and reference log-prob passes on the planner's packed THD microbatches, forward-only
+  (``--no-pg-packed-logprobs``: Megatron-LM's unpacked ``compute_logprobs_batch``);
 * the forward step and loss function of :mod:`megatron_pg_agg.megatron.loss_func` in place of
   ``train_rl.forward_step`` / ``rl_utils.calculate_grpo_loss``: every ``--pg-loss-aggregation``
   mode and ``--pg-policy-loss``;
@@ -90,6 +92,10 @@ def add_rl_actor_args(parser):
     group.add_argument("--pg-max-tokens-per-microbatch", type=int, default=None, metavar="N",
                        help="capacity of a packed microbatch in padded tokens (default --seq-length; at least "
                             "--seq-length, the longest trajectory; with pipeline parallelism it is --seq-length)")
+    group.add_argument("--pg-packed-logprobs", action=argparse.BooleanOptionalAction, default=True,
+                       help="the old and reference log-prob passes of a collection forward-only on the planner's "
+                            "packed THD microbatches (default); --no-pg-packed-logprobs: Megatron-LM's "
+                            "compute_logprobs_batch, one row of --seq-length per sequence")
     add_plan_ahead_arg(group)
     group.add_argument("--megatron-lm", default=None, metavar="PATH", help="Megatron-LM checkout root")
     # this entry is Megatron-LM's RL loop: --perform-rl-step is on (before validate_args reads it)
@@ -256,7 +262,8 @@ class RLActor(Actor):
         super().__init__(args, {}, cuda=cuda, loss_cfg=loss_cfg, data=None)
         self.shape = collection_shape(args)
         self.planner = CollectionPlanner(loss_cfg, self.shape, cuda=cuda, items=self._items,
-                                         capacity=packing_capacity(args), plan_ahead=args.pg_plan_ahead)
+                                         capacity=packing_capacity(args), plan_ahead=args.pg_plan_ahead,
+                                         packed_logprobs=args.pg_packed_logprobs)
 
     def microbatch_count(self) -> int:
         """The schedule's microbatch count for Megatron-LM's current iteration (its step's plan)."""

@@ -10,9 +10,14 @@ group begins. :class:`CollectionPlanner` takes that function's place (registered
   for Megatron-LM's own RL logging;
 * the trajectories: ``prepare_trajectories`` (padding, its bos/eod checks) and the position ids of
   ``get_ltor_masks_and_position_ids``;
-* the old and reference log-probs: ``compute_logprobs_batch`` through Megatron's forward-only
-  schedule, the reference weights loaded from ``ref_state_dict`` and restored, each DP rank
-  computing a contiguous slice of the rows (as Megatron-LM does), then gathered;
+* the old and reference log-probs in Megatron-LM's row layout (``[N, S-1]``, position ``p - 1`` of
+  row ``i`` the log-prob of token ``p``), the reference weights loaded from ``ref_state_dict`` and
+  restored. By default (``packed_logprobs``) each pass runs forward-only through Megatron's schedule
+  on the planner's packed THD microbatches of the whole collection (the training step's capacity
+  and balancing, :func:`packed_logprob_pass`), and the log-probs are laid back into the rows;
+  otherwise Megatron-LM's ``compute_logprobs_batch``, one row of ``--seq-length`` per sequence,
+  each DP rank a contiguous slice of the rows (as Megatron-LM does), then gathered
+  (:func:`make_logprob_pass`);
 * the inference log-probs aligned by ``align_unpacked_inference_logprobs`` (and its mismatch stats).
 
 What changes is the step composition. With ``P`` prompts of ``G`` rollouts per collection and
@@ -37,7 +42,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_pg_agg.core.context_parallel import cp_partition_index
 from megatron_pg_agg.core.losses import PGLossConfig
+from megatron_pg_agg.core.segments import segment_ids
 from megatron_pg_agg.data.plan_ahead import PlanAhead
 from megatron_pg_agg.data.planner import PlanConfig, StepPlan, plan_step
 from megatron_pg_agg.data.rollouts import RolloutBatch
@@ -158,9 +165,12 @@ class CollectionPlanner:
     microbatch. :meth:`step_at` names the step of a 0-based iteration of the current collection."""
 
     def __init__(self, loss_cfg: PGLossConfig, shape: CollectionShape, *, cuda: bool, items,
-                 capacity: Optional[int], plan_ahead: bool = True):
+                 capacity: Optional[int], plan_ahead: bool = True, packed_logprobs: bool = True):
         self.loss_cfg, self.shape, self.cuda = loss_cfg, shape, cuda
         self.items, self.capacity = items, capacity
+        self.packed_logprobs = packed_logprobs
+        """The old and reference log-prob passes on packed THD microbatches (:func:`packed_logprob_pass`);
+        False: Megatron-LM's ``compute_logprobs_batch``, one row of ``--seq-length`` per sequence."""
         self.plan_ahead = plan_ahead
         """Plan step ``k + 1`` of a collection on a host thread while step ``k`` runs
         (:class:`~megatron_pg_agg.data.plan_ahead.PlanAhead`); False: each step when it starts."""
@@ -191,18 +201,21 @@ class CollectionPlanner:
         """Microbatches per DP rank of ``iteration``'s step (the schedule's count)."""
         return self.step_at(iteration).plan.stats["microbatches_per_rank"]
 
-    def plan_config(self) -> PlanConfig:
+    def plan_config(self, *, whole_collection: bool = False) -> PlanConfig:
+        """The steps' plan config; ``whole_collection``: that of the log-prob passes' layout (every
+        sequence of the collection in one plan, packed at the steps' capacity, ``--seq-length`` when
+        the steps hold one sequence per microbatch)."""
         from megatron.core import parallel_state as mpu
         from megatron.training import get_args
 
         args = get_args()
         dp = mpu.get_data_parallel_world_size()
-        packed = self.capacity is not None
+        packed = self.capacity is not None or whole_collection
         return PlanConfig(
             dp_size=dp, num_microbatches=None if packed else self.shape.global_batch // dp,
             tp_size=args.tensor_model_parallel_size,
             sequence_parallel=args.sequence_parallel, cp_size=args.context_parallel_size,
-            vocab_size=args.padded_vocab_size, max_tokens_per_microbatch=self.capacity if packed else args.seq_length,
+            vocab_size=args.padded_vocab_size, max_tokens_per_microbatch=self.capacity or args.seq_length,
             # pipeline p2p buffers have one shape: every microbatch padded to it
             microbatch_tokens=(self.capacity or args.seq_length) if args.pipeline_model_parallel_size > 1 else None)
 
@@ -230,8 +243,21 @@ class CollectionPlanner:
             eod_mask_loss=False, pad_mask_loss=True)
 
         net = model[0]
-        logprobs = make_logprob_pass(net, trajs, position_ids, view.pad, cuda=self.cuda,
-                                     pp_group=get_attr_wrapped_model(net, "pg_collection").pp)
+        pp_group = get_attr_wrapped_model(net, "pg_collection").pp
+        lengths = torch.tensor([len(r.trajectory[0]) for r in flat], dtype=torch.long)
+        if self.packed_logprobs:
+            layout_cfg = self.plan_config(whole_collection=True)
+            layout = plan_step(collection_batch(trajs, generation_mask, lengths, view.pad, self.shape),
+                               PGLossConfig(), layout_cfg, cp_rank=mpu.get_context_parallel_rank())
+            logprobs = packed_logprob_pass(
+                model, layout.for_rank(mpu.get_data_parallel_rank()), lengths, trajs.shape[1] - 1,
+                cp_size=layout_cfg.cp_size, cp_rank=mpu.get_context_parallel_rank(),
+                tp_group=mpu.get_tensor_model_parallel_group(),
+                dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True), pp_group=pp_group,
+                device=torch.device("cuda", torch.cuda.current_device()) if self.cuda else None,
+                seq_length=layout_cfg.microbatch_tokens)
+        else:
+            logprobs = make_logprob_pass(net, trajs, position_ids, view.pad, cuda=self.cuda, pp_group=pp_group)
         old = logprobs()
         if not self.cuda:
             # on CPU Megatron-LM's ref_state_dict holds ``.cpu()`` of CPU tensors, i.e. the live
@@ -251,7 +277,6 @@ class CollectionPlanner:
             rollout_lp = rl_utils.align_unpacked_inference_logprobs(
                 inference_logprobs=inference, old_logprobs_for_data=old, generation_masks=generation_mask,
                 group_stats=group_stats)
-        lengths = torch.tensor([len(r.trajectory[0]) for r in flat], dtype=torch.long)
         advantages = torch.tensor(group_stats.advantages, dtype=torch.float64)
         batches = step_batches(tokens=trajs, generation_mask=generation_mask, lengths=lengths, pad=view.pad,
                                advantages=advantages,
@@ -354,5 +379,90 @@ def make_logprob_pass(net, trajs: torch.Tensor, position_ids: torch.Tensor, pad:
         parts = [torch.empty_like(local, device=device) for _ in range(dp)]
         torch.distributed.all_gather(parts, local.to(device), group=mpu.get_data_parallel_group())
         return torch.cat(parts).cpu()[:n]
+
+    return logprobs
+
+
+def collection_batch(trajs: torch.Tensor, generation_mask: torch.Tensor, lengths: torch.Tensor, pad: int,
+                     shape: CollectionShape) -> RolloutBatch:
+    """Every sequence of the collection as one :class:`RolloutBatch` (rollout ``i`` is row ``i``, its
+    prompt the tokens before its first generated one, as in :func:`step_batches`), with zero
+    advantages and log-probs: the layout of the log-prob passes (its plan places the sequences;
+    nothing of the loss is read from it). Vectorised: one pass over the rows' positions."""
+    n, seq = trajs.shape
+    first = first_generated(generation_mask)
+    at = torch.arange(seq).unsqueeze(0)
+    prompt = at < first.unsqueeze(1)
+    response = ~prompt & (at < lengths.unsqueeze(1))
+    response_tokens = trajs[response].long()
+    return RolloutBatch(
+        prompt_lengths=first.long(), response_lengths=lengths - first,
+        prompt_tokens=trajs[prompt].long(), response_tokens=response_tokens,
+        loss_mask=generation_mask[response] & (response_tokens != pad),
+        advantages=torch.zeros(response_tokens.numel()), old_logprobs=torch.zeros(response_tokens.numel()),
+        group_index=torch.arange(n) // shape.group_size)
+
+
+def row_positions(microbatches: list, lengths: torch.Tensor, width: int, *, cp_size: int = 1,
+                  cp_rank: int = 0) -> tuple:
+    """Where this rank's packed log-probs go in Megatron-LM's rows (host, once per collection).
+
+    Position ``j`` of a sequence in a microbatch scores its token ``j + 1``: that is column ``j`` of
+    the sequence's row ``i`` (its ``sequence_ids`` entry), for ``j < lengths[i] - 1``. Returns int64
+    ``(src, dst)``: ``src`` indexes the concatenation of the microbatches' ``[T]`` log-probs (this
+    CP rank's positions: chunks ``cp_rank`` and ``2 cp - 1 - cp_rank`` of each sequence), ``dst`` the
+    flat rows ``[N * width]``; positions that score no token of the sequence (its last, padding)
+    are left out."""
+    src, dst = [], []
+    base = 0
+    for mb in microbatches:
+        cu = mb.cu_seqlens_padded.long()
+        total = int(cu[-1])
+        local = mb.num_tokens
+        at = cp_partition_index(cu[1:] - cu[:-1], cp_size, cp_rank) if cp_size > 1 else torch.arange(total)
+        seq = segment_ids(cu, total).index_select(0, at)
+        column = at - cu[:-1].index_select(0, seq)
+        row = torch.as_tensor(mb.sequence_ids, dtype=torch.long).index_select(0, seq)
+        keep = column < lengths.index_select(0, row) - 1
+        src.append(torch.arange(base, base + local)[keep])
+        dst.append((row * width + column)[keep])
+        base += local
+    return torch.cat(src), torch.cat(dst)
+
+
+def packed_logprob_pass(model: list, microbatches: list, lengths: torch.Tensor, width: int, *, cp_size: int,
+                        cp_rank: int, tp_group, dp_cp_group, pp_group, device: Optional[torch.device],
+                        seq_length: Optional[int]):
+    """A function computing Megatron-LM's log-prob rows ``[N, width]`` (``width = --seq-length - 1``)
+    of every trajectory with the model's current weights, from this rank's planned packed THD
+    microbatches of the whole collection (:func:`~megatron_pg_agg.megatron.logprob_pass.planned_logprobs`:
+    forward-only through Megatron's schedule, each microbatch's logits dropped after its log-prob
+    gather). Each rank writes its sequences' log-probs into zero rows (:func:`row_positions`, built
+    here once for both passes), the DP x CP group sums them (every entry is written by one rank:
+    the sums are exact), and with pipeline parallelism the last stage broadcasts them, as
+    Megatron-LM's ``compute_logprobs_batch`` does. Entries no sequence scores are 0 (Megatron-LM
+    reads only a row's generated positions). float32 host rows, as Megatron-LM's fp32 runs give."""
+    from megatron_pg_agg.megatron.logprob_pass import planned_logprobs
+
+    rows = lengths.numel()
+    src, dst = row_positions(microbatches, lengths, width, cp_size=cp_size, cp_rank=cp_rank)
+    if device is not None:
+        src, dst = src.to(device, non_blocking=True), dst.to(device, non_blocking=True)
+    pp_size = torch.distributed.get_world_size(pp_group) if pp_group is not None else 1
+    last_stage = pp_size == 1 or torch.distributed.get_rank(pp_group) == pp_size - 1
+    reduce = torch.distributed.get_world_size(dp_cp_group) > 1
+
+    def logprobs() -> torch.Tensor:
+        out = planned_logprobs(model, microbatches, tp_group=tp_group, is_last_stage=last_stage, device=device,
+                               seq_length=seq_length)
+        flat = torch.zeros(rows * width, dtype=torch.float32, device=device)
+        if last_stage:
+            flat.index_copy_(0, dst, torch.cat(out).float().index_select(0, src))
+            if reduce:
+                torch.distributed.all_reduce(flat, group=dp_cp_group)
+        if pp_size > 1:
+            last = torch.distributed.get_process_group_ranks(pp_group)[-1]
+            torch.distributed.broadcast(flat, src=last, group=pp_group)
+        return flat.view(rows, width).cpu()
 
     return logprobs

@@ -360,6 +360,114 @@ def test_megatron_lms_loss_differs_from_ours_where_the_modes_differ(layout_runs)
         assert _rel(ours["grad_norm"], theirs["grad_norm"]) > 1e-3, (mode, ours, theirs)
 
 
+# ----------------------------------------------------------------------------- packed log-prob passes (issue 40)
+
+PACKED_LOGPROB_LAYOUTS = {  # name -> (launch, flags); the 2-rank layouts share one launch
+    "DP1": (1, []),
+    "DP2": (2, []),
+    "TP2": (2, ["--tensor-model-parallel-size", "2"]),
+    "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
+}
+NO_KL = ["--grpo-kl-beta", "0"]
+
+
+@pytest.fixture(scope="module")
+def logprob_runs(checkout, work, replay, initial_checkpoint) -> dict:
+    """``{(layout, case, switch): (records, rows)}``: whole runs with the packed log-prob passes
+    (``on``, the default) and with Megatron-LM's ``compute_logprobs_batch`` (``off``,
+    ``--no-pg-packed-logprobs``); ``rows`` (the worker's ``logprob_rows`` record) where kept. One
+    rank: every mode, without the KL term, with the IS correction; two ranks: DP=2, TP=2, PP=2,
+    and on DP=2 the IS correction and prompt_mean."""
+    cases = {"DP1": {mode: ["--pg-loss-aggregation", mode, *extra] for mode, extra in MODES.items()}}
+    cases["DP1"].update({"no-kl": NO_KL, "is": IS_CORRECTION})
+    for layout in ("DP2", "TP2", "PP2"):
+        cases[layout] = {"token_mean": []}
+    cases["DP2"].update({"is": IS_CORRECTION, "prompt_mean": ["--pg-loss-aggregation", "prompt_mean"]})
+    out = {}
+    for nproc in (1, 2):
+        specs, names = [], {}
+        for layout, (n, flags) in PACKED_LOGPROB_LAYOUTS.items():
+            if n != nproc:
+                continue
+            for case, extra in cases[layout].items():
+                for switch, switch_flags in (("on", []), ("off", ["--no-pg-packed-logprobs"])):
+                    name = f"lp-{layout}-{case}-{switch}"
+                    names[(layout, case, switch)] = name
+                    specs.append({"name": name, "logprob_rows": str(work / f"{name}.pt"), "argv": _rl_argv(
+                        checkout, initial_checkpoint, replay[0], work / f"{name}.jsonl", *flags, *extra,
+                        *switch_flags)})
+        status, _ = _batch(work, f"packed-logprobs-{nproc}", nproc, specs)
+        assert status == {spec["name"]: 0 for spec in specs}, status
+        import torch
+
+        for key, name in names.items():
+            out[key] = (_records(work / f"{name}.jsonl"), torch.load(work / f"{name}.pt", weights_only=False))
+    return out
+
+
+LOGPROB_TOL = 2e-6
+"""Float32 log-probs of a 127-token vocabulary (about -4.8) from two attention shapes (packed THD
+microbatches against rows of --seq-length): a few float32 roundings apart."""
+
+
+def _scored(rows: dict):
+    """bool ``[N, S-1]``: the entries Megatron-LM's loop reads (generated tokens' positions)."""
+    return rows["generation_mask"][:, 1:]
+
+
+def test_packed_logprob_passes_equal_megatron_lms_compute_logprobs_batch(logprob_runs):
+    """Old and reference log-probs (and the aligned inference log-probs of the IS runs) from the
+    packed forward-only passes against Megatron-LM's own unpacked ``compute_logprobs_batch``, at
+    every entry its loop reads: on every layout against the same layout's unpacked run, and against
+    one rank's. The switch really switches passes (the worker counts which pass was built)."""
+    import torch
+
+    worst = {}
+    reference = logprob_runs[("DP1", "token_mean", "off")][1]
+    for (layout, case, switch), (_, rows) in logprob_runs.items():
+        if switch != "on":
+            continue
+        off = logprob_runs[(layout, case, "off")][1]
+        assert (rows["packed"], rows["unpacked"], off["packed"], off["unpacked"]) == (1, 0, 0, 1), (layout, case)
+        assert len(rows["collections"]) == len(off["collections"]) == 1
+        got, want = rows["collections"][0], off["collections"][0]
+        mask = _scored(want)
+        assert torch.equal(got["generation_mask"], want["generation_mask"]) and bool(mask.any())
+        pairs = [(got, want)] + ([(got, reference["collections"][0])] if case == "token_mean" else [])
+        for a, b in pairs:
+            for name in ("old", "ref") + (("rollout",) if case == "is" else ()):
+                err = float((a[name][mask] - b[name][mask]).abs().max())
+                worst[(layout, name)] = max(worst.get((layout, name), 0.0), err)
+                assert err < LOGPROB_TOL, (layout, case, name, err)
+        assert float(got["old"][mask].abs().min()) > 0.1  # real log-probs at every read entry (no zeros)
+    print("worst |packed - unpacked| log-prob per layout:", worst)
+
+
+def _same_records(ours: list, theirs: list, where) -> None:
+    assert len(ours) == len(theirs) == ITERS, where
+    for a, b in zip(ours, theirs):
+        assert set(a) == set(b), where
+        for key, value in a.items():
+            other = b[key]
+            if key in ("tokens_per_s", "elapsed_s", "run_id") or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, bool) or (isinstance(value, int) and isinstance(other, int)):
+                assert value == other, (where, a["iteration"], key, value, other)
+            elif key in ("objective", "pg_loss"):
+                assert _objective_err(value, other) < 1e-6, (where, a["iteration"], key, value, other)
+            else:
+                assert abs(value - other) <= 1e-6 * max(abs(other), 1e-1), (where, a["iteration"], key, value, other)
+
+
+def test_whole_runs_are_the_same_with_the_packed_logprob_passes_on_and_off(logprob_runs):
+    """Every iteration record (both passes over the collection: ratios away from 1 from the second
+    step on, clipping, the KL term against the reference) of every case and layout with the switch
+    on and off: every mode, without the KL term, with the rollout correction."""
+    for (layout, case, switch), (records, _) in logprob_runs.items():
+        if switch == "on":
+            _same_records(records, logprob_runs[(layout, case, "off")][0], (layout, case))
+
+
 REFUSALS = {
     # name: (flags after the defaults, text the message must hold)
     "group straddles steps": (["--grpo-group-size", "4", "--global-batch-size", "6", "--grpo-prompts-per-step", "3"],
