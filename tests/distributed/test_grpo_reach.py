@@ -32,7 +32,7 @@ import pytest
 from tests.support.launching import ROOT, run, torchrun
 
 ENTRY = ROOT / "launch" / "grpo_reach.py"
-TIMEOUT_S = 400  # about 100 s on 2 cores
+TIMEOUT_S = 400  # 100-170 s on 2 cores (the slower beside other jobs)
 STEPS = 60
 KEYS = ("step", "seed", "variant", "accuracy", "length_correct", "length_incorrect", "truncated", "objective",
         "grad_norm", "ratio_first", "sample_s", "step_s")
