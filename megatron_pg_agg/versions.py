@@ -69,10 +69,14 @@ class TestedRelease:
     """The AReaL release the leg also installs (``--no-deps`` with mbridge 0.15.1, then the ``areal``
     extra) in a venv of its own (``.venv-areal``: AReaL's transformers pin excludes Megatron-Bridge's),
     and whose plug-in tests must run there (tests/distributed/test_areal.py); None: not installed."""
+    slime: str | None = None
+    """The slime checkout (a folder of ``../shared/third_party``: slime is not on the package index)
+    the leg gives its plug-in tests as a user's checkout (tests/distributed/test_slime.py, through
+    ``MEGATRON_PG_AGG_SLIME``), where they must run; None: they skip."""
 
 
 TESTED: tuple[TestedRelease, ...] = (
-    TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full"),
+    TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full", slime="slime-624b824"),
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
     TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm",
                   areal="1.0.4"),
@@ -93,12 +97,13 @@ SUITE_NAMES = {"full": "the whole suite",
 
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
-    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | CI runs |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | slime | CI runs |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for leg in TESTED:
         suite = SUITE_NAMES[leg.suite] + (" + the AReaL plug-in" if leg.areal else "")
         rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
-                    f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {leg.areal or '-'} | {suite} |")
+                    f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {leg.areal or '-'} | "
+                    f"{leg.slime.removeprefix('slime-') if leg.slime else '-'} | {suite} |")
     return "\n".join(rows)
 
 
@@ -186,10 +191,11 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
 
 
 def _ci_legs() -> str:
-    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl areal``
+    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl areal slime``
     (``-`` for none)."""
     return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
-                               leg.suite, leg.megatron_bridge or "-", leg.verl or "-", leg.areal or "-"))
+                               leg.suite, leg.megatron_bridge or "-", leg.verl or "-", leg.areal or "-",
+                               leg.slime or "-"))
                      for leg in TESTED)
 
 
