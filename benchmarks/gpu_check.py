@@ -11,10 +11,11 @@
    the kernels must move / time) against the card's (H200: about 4.8 TB/s).
 4. Transformer Engine's THD attention (``TEDotProductAttention``) against the CPU stand-in
    (``ThdDotProductAttention``) on the same packed batch; skipped, and said so, without TE.
-5. With ``--megatron-lm PATH`` (a core_v0.19.x checkout): Megatron-LM's RL loop step time, the
-   packed entry against Megatron-LM's own packed (``--rl-use-sequence-packing``) and unpacked paths
-   at equal tokens per step (:func:`rl_step_command`, ``benchmarks/bench_rl_step.py --gpu``), its
-   ``rl step:`` line in the report.
+5. With ``--megatron-lm PATH`` (a core_v0.19.x checkout): Megatron-LM's RL loop step and whole
+   collection iteration times (the old and reference log-prob passes and the step), the packed
+   entry against Megatron-LM's own packed (``--rl-use-sequence-packing``) and unpacked paths at
+   equal tokens (:func:`rl_step_command`, ``benchmarks/bench_rl_step.py --gpu``), its
+   ``rl step: ...; collection: ...`` line in the report.
 Prints one JSON summary; exit status 1 if a check failed. On a machine without CUDA it says so
 and exits 0 without checking anything.
 """
