@@ -97,3 +97,55 @@ def test_the_layout_batch_is_the_steps_cut_as_one_step():
                  "group_index"):
         assert torch.equal(getattr(batch, name), getattr(want, name)), name
     assert not bool(batch.loss_mask.all())
+
+
+def _steps_row_by_row(tokens, generation_mask, lengths, pad, advantages, old, ref, rollout, shape):
+    """The cut into steps one row at a time (the loop step_batches replaced): the reference."""
+    out = []
+    for k in range(shape.steps):
+        rows = range(k * shape.global_batch, (k + 1) * shape.global_batch)
+        fields = {name: [] for name in ("prompt", "response", "mask", "adv", "old", "ref", "rollout")}
+        for i in rows:
+            f, n = int(generation_mask[i].int().argmax()), int(lengths[i])
+            fields["prompt"].append(tokens[i, :f])
+            fields["response"].append(tokens[i, f:n])
+            fields["mask"].append(generation_mask[i, f:n] & (tokens[i, f:n] != pad))
+            fields["adv"].append(advantages[i].float().expand(n - f))
+            for name, values in (("old", old), ("ref", ref), ("rollout", rollout)):
+                if values is not None:
+                    fields[name].append(values[i, f - 1:n - 1])
+        out.append({name: torch.cat(v) if v else None for name, v in fields.items()})
+    return out
+
+
+def test_the_vectorised_cut_into_steps_equals_the_row_by_row_cut_bit_for_bit():
+    trajs, mask, lengths = _collection(groups=6, group_size=4, seq_length=48, seed=3)
+    trajs[5, int(lengths[5]) - 1] = PAD
+    gen = torch.Generator().manual_seed(4)
+    advantages = torch.randn(24, generator=gen, dtype=torch.float64)
+    old, ref, rollout = (-torch.rand(24, 47, generator=gen) * 5 for _ in range(3))
+    shape = CollectionShape(prompts=6, group_size=4, global_batch=8, passes=2)
+    for with_ref, with_rollout in ((True, True), (False, False)):
+        steps = step_batches_under_test(trajs, mask, lengths, advantages, old, ref if with_ref else None,
+                                        rollout if with_rollout else None, shape)
+        want = _steps_row_by_row(trajs, mask, lengths, PAD, advantages, old, ref if with_ref else None,
+                                 rollout if with_rollout else None, shape)
+        assert len(steps) == len(want) == 3
+        for k, (got, ref_fields) in enumerate(zip(steps, want)):
+            pairs = {"prompt_tokens": "prompt", "response_tokens": "response", "loss_mask": "mask",
+                     "advantages": "adv", "old_logprobs": "old", "ref_logprobs": "ref", "rollout_logprobs": "rollout"}
+            for name, key in pairs.items():
+                value, expected = getattr(got, name), ref_fields[key]
+                if expected is None:
+                    assert value is None, (k, name)
+                else:
+                    assert torch.equal(value, expected.to(value.dtype)), (k, name)
+            assert got.group_index.tolist() == [i // 4 for i in range(8 * k, 8 * k + 8)]
+            assert torch.equal(got.prompt_lengths + got.response_lengths, lengths[8 * k:8 * k + 8])
+
+
+def step_batches_under_test(trajs, mask, lengths, advantages, old, ref, rollout, shape):
+    from megatron_pg_agg.training.rl_collection import step_batches
+
+    return step_batches(tokens=trajs, generation_mask=mask, lengths=lengths, pad=PAD, advantages=advantages,
+                        old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout, shape=shape)
