@@ -10,7 +10,8 @@ whatever the micro-batches, DP ranks and CP shards (its ``get_sum_of_sample_mean
 ``1 / num_mb`` and DDP's average). ``m_it`` is the loss mask slime hands the loss: the numerator
 mask ``n`` of the project's contract (:mod:`megatron_pg_agg.core.aggregation`). The project's
 objective for the step is ``J = (1 / W) sum_t c_t n_t l_t`` with ``c_t`` and ``W`` from
-:func:`~megatron_pg_agg.core.aggregation.token_weights`; ``c_t`` is one value ``c_i`` over a
+:func:`~megatron_pg_agg.core.aggregation.token_weights` (through
+:func:`~megatron_pg_agg.integrations.step_weights.dp_step_weights`); ``c_t`` is one value ``c_i`` over a
 sample's tokens in every mode. So
 
     D_i = W / (gbs * c_i)
@@ -30,9 +31,10 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from megatron_pg_agg.core.aggregation import token_weights
 from megatron_pg_agg.core.modes import CONSTANT, PROMPT_MEAN, resolve_mode
 from megatron_pg_agg.core.segments import exclusive_cumsum
+
+from .step_weights import dp_step_weights
 
 __all__ = ["SlimeConfigError", "SlimeObjective", "step_denominators", "CLAMP_SLACK"]
 
@@ -69,9 +71,10 @@ class SlimeObjective:
 
 
 def _packed(masks: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bool [tokens] of the masks end to end, int64 [rows] lengths)``."""
     lengths = torch.tensor([len(m) for m in masks], dtype=torch.int64)
     flat = [int(v) for m in masks for v in m]
-    return torch.tensor(flat, dtype=torch.bool), exclusive_cumsum(lengths)
+    return torch.tensor(flat, dtype=torch.bool), lengths
 
 
 def step_denominators(denominator_masks: Sequence[Sequence[int]], numerator_masks: Sequence[Sequence[int]],
@@ -120,30 +123,19 @@ def step_denominators(denominator_masks: Sequence[Sequence[int]], numerator_mask
     low = []
     for s, members in enumerate(steps):
         members = list(members)
-        if grouped:  # groups consecutive, in order of first appearance (stable inside a group)
-            first = {}
-            for pos, i in enumerate(members):
-                first.setdefault(group_ids[i], pos)
-            members.sort(key=lambda i: first[group_ids[i]])
-        den, cu = _packed([denominator_masks[i] for i in members])
+        den, lengths = _packed([denominator_masks[i] for i in members])
         num, _ = _packed([numerator_masks[i] for i in members])
-        group_sizes = None
-        if grouped:
-            group_sizes = []
-            for pos, i in enumerate(members):
-                if pos and group_ids[members[pos - 1]] == group_ids[i]:
-                    group_sizes[-1] += 1
-                else:
-                    group_sizes.append(1)
-        weights = token_weights(num, mode=objective.mode, divisor=objective.divisor, cu_seqlens=cu,
-                                group_sizes=group_sizes, denominator_mask=den)
-        total = int(weights.count.sum())  # W of the step
+        # the step as one rank's rows: the same layout (groups consecutive) and token_weights call as
+        # the verl and AReaL plug-ins', coefficients back in the members' order
+        weights = dp_step_weights(den, num, lengths, [group_ids[i] for i in members] if grouped else None,
+                                  mode=objective.mode, divisor=objective.divisor)
+        cu = exclusive_cumsum(lengths)
         for k, i in enumerate(members):
             coef = weights.coef[int(cu[k]):int(cu[k + 1])]
             c_i = float(coef.max()) if coef.numel() else 0.0
             if c_i <= 0.0:  # no numerator token: adds nothing
                 continue
-            out[i] = total / (global_batch_size * c_i)
+            out[i] = weights.pg_weight / (global_batch_size * c_i)
             if out[i] < 1.0 - CLAMP_SLACK:
                 low.append((names[i], s, out[i]))
     if low:
