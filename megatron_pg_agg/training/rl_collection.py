@@ -100,6 +100,17 @@ def first_generated(mask: torch.Tensor) -> torch.Tensor:
     return mask.int().argmax(dim=1)
 
 
+def row_parts(generation_mask: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """``(first, prompt, response)`` of Megatron-LM's trajectory rows ``[N, S]``: the first generated
+    position of each row, and bool ``[N, S]`` masks of its prompt (before ``first``) and of its
+    response (from ``first`` to ``lengths``); the cut :func:`step_batches` and
+    :func:`collection_batch` both make."""
+    first = first_generated(generation_mask)
+    at = torch.arange(generation_mask.shape[1]).unsqueeze(0)
+    prompt = at < first.unsqueeze(1)
+    return first, prompt, ~prompt & (at < lengths.unsqueeze(1))
+
+
 def step_batches(*, tokens: torch.Tensor, generation_mask: torch.Tensor, lengths: torch.Tensor, pad: int,
                  advantages: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: Optional[torch.Tensor],
                  rollout_logprobs: Optional[torch.Tensor], shape: CollectionShape) -> list:
@@ -115,10 +126,7 @@ def step_batches(*, tokens: torch.Tensor, generation_mask: torch.Tensor, lengths
     position ``f + j - 1``. Vectorised: one masked gather per field and step (host work where the
     data is built; no per-row tensors)."""
     seq = tokens.shape[1]
-    first = first_generated(generation_mask)
-    at = torch.arange(seq).unsqueeze(0)
-    in_prompt = at < first.unsqueeze(1)
-    in_response = ~in_prompt & (at < lengths.unsqueeze(1))
+    first, in_prompt, in_response = row_parts(generation_mask, lengths)
 
     def at_tokens(rows: torch.Tensor) -> torch.Tensor:
         """``[N, S]``: column ``p`` holds the log-prob of token ``p`` (column 0: nothing)."""
@@ -389,11 +397,8 @@ def collection_batch(trajs: torch.Tensor, generation_mask: torch.Tensor, lengths
     prompt the tokens before its first generated one, as in :func:`step_batches`), with zero
     advantages and log-probs: the layout of the log-prob passes (its plan places the sequences;
     nothing of the loss is read from it). Vectorised: one pass over the rows' positions."""
-    n, seq = trajs.shape
-    first = first_generated(generation_mask)
-    at = torch.arange(seq).unsqueeze(0)
-    prompt = at < first.unsqueeze(1)
-    response = ~prompt & (at < lengths.unsqueeze(1))
+    n = trajs.shape[0]
+    first, prompt, response = row_parts(generation_mask, lengths)
     response_tokens = trajs[response].long()
     return RolloutBatch(
         prompt_lengths=first.long(), response_lengths=lengths - first,
