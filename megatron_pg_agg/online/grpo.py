@@ -32,7 +32,6 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.data.plan_ahead import PlanAhead
@@ -40,7 +39,7 @@ from megatron_pg_agg.data.rollouts import Rollout, RolloutBatch
 from megatron_pg_agg.integrations.step_weights import gather_over_dp
 from megatron_pg_agg.megatron.logprob_pass import planned_logprobs
 from megatron_pg_agg.training.metrics import new_run_id
-from megatron_pg_agg.training.trainer import RunState, Session, _iteration_planner, train_step
+from megatron_pg_agg.training.trainer import RunState, Session, _iteration_planner, new_optimizer, train_step
 
 from .reach import EOS, ReachTask
 from .sampler import sample_responses
@@ -133,24 +132,24 @@ class OnlineRun:
     # ------------------------------------------------------------------ weights and optimizer
     def snapshot(self) -> list:
         """A copy of this rank's parameters (to :meth:`reset` to)."""
-        return [p.detach().clone() for chunk in self.s.model for p in chunk.parameters()]
+        return [p.detach().clone() for p in self._parameters()]
 
-    def reset(self, weights: Optional[list], loss: PGLossConfig, lr: float, seed: int) -> None:
+    def _parameters(self):
+        return (p for chunk in self.s.model for p in chunk.parameters())
+
+    def reset(self, weights: Optional[list], loss: PGLossConfig, lr: float) -> None:
         """Parameters from ``weights`` (None: keep), a fresh Adam at ``lr``, the loss ``loss``,
         iteration 0 and a new run id: a new run on the same process groups and model."""
         if weights is not None:
             with torch.no_grad():
-                for p, w in zip((p for chunk in self.s.model for p in chunk.parameters()), weights):
+                for p, w in zip(self._parameters(), weights):
                     p.copy_(w)
         cfg = self.s.cfg
-        cfg = dataclasses.replace(cfg, loss=loss, training=dataclasses.replace(cfg.training, lr=lr, seed=seed))
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=cfg.training.weight_decay,
-                                  clip_grad=cfg.training.clip_grad, bf16=cfg.model.bf16,
-                                  params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32)
+        cfg = dataclasses.replace(cfg, loss=loss, training=dataclasses.replace(cfg.training, lr=lr))
         self.s.plans.close()
         steps: dict = {}
         self.s = dataclasses.replace(
-            self.s, cfg=cfg, steps=steps, optimizer=get_megatron_optimizer(opt_cfg, self.s.model),
+            self.s, cfg=cfg, steps=steps, optimizer=new_optimizer(cfg, self.s.model),
             state=RunState(run_id=new_run_id()),
             # online: step k's rollouts come from the weights step k - 1 left, so nothing is
             # planned ahead; each iteration is planned when it comes, from the batch of the moment
@@ -158,10 +157,10 @@ class OnlineRun:
                             enabled=False))
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, cfg: GrpoConfig, seed: int, weights: Optional[list] = None, progress=None) -> dict:
+    def warm_up(self, cfg: GrpoConfig, seed: int, weights: Optional[list] = None) -> dict:
         """Supervised warm-up on fresh demonstrations drawn under ``seed`` (module docstring), from
         ``weights`` (None: the current ones); returns the last step's record."""
-        self.reset(weights, PGLossConfig(mode="token_mean"), cfg.warmup_lr, seed)
+        self.reset(weights, PGLossConfig(mode="token_mean"), cfg.warmup_lr)
         rng = random.Random(_seeded(seed, 1))
         record: dict = {}
         for step in range(cfg.warmup_steps):
@@ -170,8 +169,6 @@ class OnlineRun:
             batch = step_batch(self.task, targets, demos, [[0.0] * len(d) for d in demos],
                                torch.ones(len(demos)), 1)
             record = self._train(batch, step, recompute_old_logprobs=True)
-            if progress is not None:
-                progress(step, record)
         return record
 
     # ------------------------------------------------------------------ RL

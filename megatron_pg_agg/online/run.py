@@ -88,7 +88,7 @@ def run_comparison(args, variants: list, extra: list) -> int:
                 for variant in variants:
                     loss = PGLossConfig(mode=variant.mode,
                                         divisor=float(task.max_response_tokens) if variant.mode == "constant" else None)
-                    run.reset(start, loss, grpo.lr, seed)
+                    run.reset(start, loss, grpo.lr)
                     cfg = dataclasses.replace(grpo, divide_by_std=variant.divide_by_std)
                     for step in range(grpo.steps):
                         check = args.check_on_policy_every > 0 and step % args.check_on_policy_every == 0

@@ -179,11 +179,9 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None) -> Session:
     rank = dist.get_rank()
     # every group megatron creates (DP, TP, PP, ...) gets the timeout too, not only the default one
     init_parallel(cfg.layout, seed=cfg.training.seed, ep=par.ep, timeout_minutes=par.distributed_timeout_minutes)
-    model, dtype = _build_model(cfg, cuda=cuda, backend=backend)
+    model = _build_model(cfg, cuda=cuda, backend=backend)
     train_cfg = cfg.training
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
-                        clip_grad=train_cfg.clip_grad, bf16=cfg.model.bf16, params_dtype=dtype), model)
+    optimizer = new_optimizer(cfg, model)
     state = _resume(cfg.checkpoint.load, model, optimizer, rank)
     ids = [state.run_id or new_run_id()]
     dist.broadcast_object_list(ids, src=0)  # one id on every rank (each rank's checkpoint keeps it)
@@ -204,6 +202,16 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None) -> Session:
                    groups=StepGroups.from_parallel_state(), plans=plans)
 
 
+def new_optimizer(cfg: RunConfig, model: list) -> MegatronOptimizer:
+    """megatron-core's Adam over ``model`` with the run's rate, weight decay, clipping and dtype
+    (a fresh one: no moments yet)."""
+    train_cfg = cfg.training
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                        clip_grad=train_cfg.clip_grad, bf16=cfg.model.bf16,
+                        params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32), model)
+
+
 def step_key(steps: dict, iteration: int):
     """The rollout step iteration ``iteration`` trains on: ``sorted(steps)[iteration mod S]``."""
     keys = sorted(steps)
@@ -219,8 +227,8 @@ def _iteration_planner(cfg: RunConfig, plan_cfg: PlanConfig, steps: dict, cp_ran
     return plan
 
 
-def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
-    """This rank's model chunks in megatron-core DDP, with the config checked; ``(model, dtype)``."""
+def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> list:
+    """This rank's model chunks in megatron-core DDP, with the config checked."""
     model_cfg, par, moe = cfg.model, cfg.parallel, cfg.model.moe
     dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
     moe_kwargs = {} if not moe.enabled else dict(
@@ -267,7 +275,7 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> tuple:
     model = wrap_in_ddp(chunks, config, ddp_config)
     config.finalize_model_grads_func = finalize_model_grads
     check_megatron_config(config, ddp_config, backend=backend)
-    return model, dtype
+    return model
 
 
 def _resume(load, model, optimizer, rank: int) -> RunState:
