@@ -54,6 +54,8 @@ def with_current_logprobs(microbatches: list, logprobs: list) -> list:
     """The microbatches with ``old_logprobs`` replaced by ``logprobs`` (from :func:`planned_logprobs`)
     at every position that scores a token, 0 elsewhere: the PPO ratio of the next update is then 1
     at the current weights, and its gradient that of ``sum c_t A_t log p_t``."""
-    return [replace(mb, old_logprobs=torch.where(mb.denominator_mask, lp.to(mb.old_logprobs.dtype),
-                                                 torch.zeros_like(mb.old_logprobs)))
+    # lp lies where the schedule ran (the device); the microbatches stay where they were planned
+    return [replace(mb, old_logprobs=torch.where(
+                mb.denominator_mask, lp.to(mb.old_logprobs.device, mb.old_logprobs.dtype),
+                torch.zeros_like(mb.old_logprobs)))
             for mb, lp in zip(microbatches, logprobs)]
