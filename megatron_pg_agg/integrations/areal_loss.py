@@ -169,18 +169,27 @@ def exact_loss_fn(loss_fn: Callable) -> Callable:
 
 
 class ResponseGroupBaseline:
-    """GRPO's group baseline, per response: in each prompt group, a response's value ``v_i`` is the
-    mean advantage over its valid tokens (its scaled reward when the advantages are GRPO's: no
-    critic, discount and GAE lambda 1, no KL in the reward), and every valid token gets
+    """GRPO's group baseline, per response: in each prompt group, a response's value ``v_i`` is its
+    advantage, which AReaL's ``compute_advantages`` gives every valid token of the response alike
+    when there is no critic, no KL in the reward (``actor.kl_ctl=0``), and discount and GAE lambda
+    1 (the plug-in refuses other settings at start-up, and a batch whose advantages still vary along
+    a response here); every valid token gets
 
-        A_t - mean_i v_i                       (``std=False``; Dr. GRPO)
-        (A_t - mean_i v_i) / (std_i v_i + eps)  (``std=True``; GRPO)
+        v_i - mean_j v_j                        (``std=False``; Dr. GRPO)
+        (v_i - mean_j v_j) / (std_j v_j + eps)  (``std=True``; GRPO)
 
     with the mean and std over the group's responses that have a valid token, each counted once.
+    A group whose values are all equal (a singleton group among them) carries no comparison: every
+    response in it gets advantage 0, never a difference of rounding divided by ``eps``.
     AReaL's own group normalisation (``actor.adv_norm`` with ``mean_level: group``) weights every
     token instead, so a long response pulls the baseline toward its own reward: rewards 1 and 0 on
     responses of 1 and 3 tokens give 0.25 there, 0.5 here. Used in place of AReaL's ``adv_norm``
     (same call signature); ``group_sizes`` are the rows of each group, in order, set per batch."""
+
+    RELATIVE_TOLERANCE = 1e-6
+    """How far (relative to ``max(1, |v_i|)``) a valid token's advantage may be from its response's
+    first one before the batch is refused as varying along the response (float32 rounding of an
+    upstream computation, never a KL term or a discount, which move it by far more)."""
 
     def __init__(self, *, std: bool, eps: float = 1e-5, unbiased: bool = True):
         self.std, self.eps, self.unbiased = std, eps, unbiased
@@ -193,18 +202,34 @@ class ResponseGroupBaseline:
                                   f"{advantages.shape[0]} rows")
         mask = loss_mask.bool()
         counts = mask.sum(1)
-        values = (advantages * mask).sum(1) / counts.clamp(min=1)
+        values = _response_values(advantages, mask, self.RELATIVE_TOLERANCE)
         out = torch.zeros_like(advantages)
         start = 0
         for size in self.group_sizes:
             rows = slice(start, start + size)
             start += size
             active = values[rows][counts[rows] > 0]
-            if active.numel() == 0:
-                continue
-            centred = advantages[rows] - active.mean()
+            if active.numel() == 0 or bool(active.max() == active.min()):
+                continue  # no comparison in the group: advantage 0
+            centred = values[rows] - active.mean()
             if self.std:
-                spread = active.std(unbiased=self.unbiased) if active.numel() > 1 else active.new_zeros(())
-                centred = centred / (spread + self.eps)
-            out[rows] = centred * mask[rows]
+                centred = centred / (active.std(unbiased=self.unbiased) + self.eps)
+            out[rows] = centred.unsqueeze(1) * mask[rows]
         return out
+
+
+def _response_values(advantages: torch.Tensor, mask: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Each row's advantage at its first valid token (0 for a row without one), after checking that
+    every valid token of the row holds it (to ``tolerance`` relative to ``max(1, |v|)``); raises
+    :class:`ArealBatchError` naming AReaL's keys otherwise."""
+    first = torch.argmax(mask.to(torch.int8), dim=1)
+    values = torch.where(mask.any(1), advantages.gather(1, first.unsqueeze(1)).squeeze(1), 0.0)
+    deviation = torch.where(mask, (advantages - values.unsqueeze(1)).abs(), 0.0).amax(1)
+    if bool((deviation > tolerance * values.abs().clamp(min=1.0)).any()):
+        row = int(torch.argmax(deviation))
+        raise ArealBatchError(
+            f"the response group baseline needs one advantage per response, but row {row}'s advantages vary "
+            f"along its valid tokens by up to {float(deviation[row]):.3g} (a KL in the reward, a discount or "
+            "GAE lambda below 1, or a critic's values): set actor.kl_ctl=0, actor.discount=1 and "
+            "actor.gae_lambda=1, or drop group_baseline")
+    return values

@@ -90,11 +90,30 @@ def objective_from_env() -> ArealObjective:
     return ArealObjective.decode(text)
 
 
+REWARD_KEYS_CONSTANT_IN_RESPONSE = (("kl_ctl", 0.0), ("discount", 1.0), ("gae_lambda", 1.0))
+"""AReaL's ``actor`` keys, with the value under which ``compute_advantages`` gives every valid token
+of a response the same advantage (no critic): a KL in the reward (``kl_ctl``), a discount or a GAE
+lambda below 1 make the advantages vary along the response."""
+
+
+def min_microbatches(mb_spec, pp_size: int = 1) -> int:
+    """The fewest sequences AReaL's engine can cut one optimizer step of a DP rank into: its
+    ``MegatronEngine._prepare_mb_list`` asks for ``max(2 * pp if pp > 1 else 1, mb_spec.n_mbs)``
+    micro-batches (a multiple of the pipeline stages), and its allocator (``ffd_allocate``,
+    ``kk_allocate``) raises when a step has fewer sequences than that."""
+    n_mbs = int(getattr(mb_spec, "n_mbs", None) or 1)
+    return max(2 * pp_size if pp_size > 1 else 1, n_mbs, pp_size)
+
+
 def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step: Optional[int] = None,
-                    dp_size: Optional[int] = None) -> list:
+                    dp_size: Optional[int] = None, samples_per_prompt: Optional[int] = None,
+                    pp_size: int = 1) -> list:
     """Every reason the plug-in cannot make ``actor_config`` (AReaL's ``PPOActorConfig``) exact,
-    naming AReaL's keys. ``prompts_per_step``/``dp_size``: the step's prompt groups and DP ranks,
-    where known (a rank needs at least one group per optimizer step)."""
+    or AReaL's engine would fail on the plug-in's steps, naming AReaL's keys.
+    ``prompts_per_step``/``dp_size``/``samples_per_prompt``/``pp_size``: the step's prompt groups,
+    DP ranks, responses per prompt (``gconfig.n_samples``) and pipeline stages, where known (a rank
+    needs at least one group per optimizer step, and each step enough sequences for its
+    micro-batches)."""
     problems = []
     n_steps = int(getattr(actor_config, "ppo_n_minibatches", 1))
     if n_steps < 1:
@@ -106,6 +125,17 @@ def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step
                             f"{n_steps} groups per DP rank, but train_dataset.batch_size={prompts_per_step} over "
                             f"{dp_size} DP rank(s) gives {per_rank}: lower actor.ppo_n_minibatches or raise "
                             "train_dataset.batch_size")
+        elif samples_per_prompt:
+            problems.extend(_microbatch_problem(actor_config, n_steps, prompts_per_step, dp_size, per_rank,
+                                                samples_per_prompt, pp_size))
+    if objective.group_baseline is not None:
+        varying = [f"actor.{key}={getattr(actor_config, key)}" for key, constant in REWARD_KEYS_CONSTANT_IN_RESPONSE
+                   if getattr(actor_config, key, constant) != constant]
+        if varying:
+            problems.append(f"group_baseline={objective.group_baseline} takes one value per response, but "
+                            f"{', '.join(varying)} make the advantages vary along a response (a KL in the reward, "
+                            "a discount or GAE lambda below 1): set actor.kl_ctl=0 (a KL penalty belongs in the "
+                            "loss), actor.discount=1 and actor.gae_lambda=1, or drop group_baseline")
     if getattr(actor_config, "enable_tree_training", False):
         problems.append("actor.enable_tree_training=True: tree training has no per-sequence boundaries in the "
                         "loss inputs; the plug-in supports packed (non-tree) training")
@@ -119,14 +149,44 @@ def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step
     return problems
 
 
-def _dp_size(config) -> Optional[int]:
-    """The actor's DP size from AReaL's own parser of ``actor.backend`` (e.g. ``megatron:d4p1t1``)."""
+def _microbatch_problem(actor_config, n_steps: int, prompts_per_step: int, dp_size: int, per_rank: int,
+                        samples_per_prompt: int, pp_size: int) -> list:
+    """The micro-batch count no optimizer step can be cut into: ``per_rank`` groups of
+    ``samples_per_prompt`` responses in ``n_steps`` steps of whole groups leave some step with at
+    most ``per_rank // n_steps`` groups (pigeonhole), whatever the balancing."""
+    needed = min_microbatches(getattr(actor_config, "mb_spec", None), pp_size)
+    fewest = samples_per_prompt * (per_rank // n_steps)
+    if fewest >= needed:
+        return []
+    n_mbs = getattr(getattr(actor_config, "mb_spec", None), "n_mbs", None)
+    pipeline = f" (AReaL asks for at least 2 x {pp_size} pipeline stages)" if pp_size > 1 else ""
+    return [f"actor.mb_spec.n_mbs={n_mbs}{pipeline} needs {needed} sequences in every optimizer step of every DP "
+            f"rank, but some step holds at most {fewest}: train_dataset.batch_size={prompts_per_step} over "
+            f"{dp_size} DP rank(s) gives {per_rank} prompt group(s) of gconfig.n_samples={samples_per_prompt} per "
+            f"rank, cut into actor.ppo_n_minibatches={n_steps} optimizer steps of whole groups; lower "
+            "actor.mb_spec.n_mbs or actor.ppo_n_minibatches, or raise train_dataset.batch_size"]
+
+
+def _parallel(config):
+    """The actor's parallel strategy from AReaL's own parser of ``actor.backend`` (e.g.
+    ``megatron:d4p1t1``), or None."""
     try:
         from areal.api.alloc_mode import ModelAllocation  # noqa: PLC0415
 
-        return ModelAllocation.from_str(config.actor.backend, name="actor").parallel.dp_size
+        return ModelAllocation.from_str(config.actor.backend, name="actor").parallel
     except Exception:  # noqa: BLE001  (no or an unparsable backend: checked per step instead)
         return None
+
+
+def _absolute_model_paths(config) -> None:
+    """``actor.path`` and ``ref.path`` made absolute where they name an existing folder relative to
+    the working directory: AReaL's Megatron engine hands the path to mbridge, which joins a relative
+    one onto itself again (``model/model/model.safetensors``)."""
+    for name in ("actor", "ref"):
+        part = getattr(config, name, None)
+        path = getattr(part, "path", None)
+        if isinstance(path, str) and path and not os.path.isabs(path) and os.path.isdir(path):
+            part.path = os.path.abspath(path)
 
 
 def use_pg_agg(config, mode: Optional[str] = None, divisor: Optional[float] = None, *,
@@ -153,10 +213,14 @@ def use_pg_agg(config, mode: Optional[str] = None, divisor: Optional[float] = No
         except (TypeError, ValueError) as error:
             raise ArealConfigError(str(error)) from error
     dataset = getattr(config, "train_dataset", None)
+    parallel = _parallel(config)
     problems = config_problems(config.actor, objective, prompts_per_step=getattr(dataset, "batch_size", None),
-                               dp_size=_dp_size(config))
+                               dp_size=getattr(parallel, "dp_size", None),
+                               samples_per_prompt=getattr(getattr(config, "gconfig", None), "n_samples", None),
+                               pp_size=getattr(parallel, "pp_size", 1))
     if problems:
         raise ArealConfigError("megatron_pg_agg refuses this AReaL configuration:\n- " + "\n- ".join(problems))
+    _absolute_model_paths(config)
     encoded = objective.encode()
     os.environ[ENV] = encoded
     for spec in getattr(config.actor, "scheduling_spec", None) or ():
@@ -177,7 +241,14 @@ def actor_class():
     from megatron_pg_agg.patches import areal_actor  # noqa: PLC0415
     from megatron_pg_agg.patches._machinery import apply as apply_patch  # noqa: PLC0415
 
-    from .areal_loss import GROUP, ResponseGroupBaseline, exact_loss_fn, prepare_step, tag_groups  # noqa: PLC0415
+    from .areal_loss import (  # noqa: PLC0415
+        GROUP,
+        ArealBatchError,
+        ResponseGroupBaseline,
+        exact_loss_fn,
+        prepare_step,
+        tag_groups,
+    )
 
     class PGAggMegatronPPOActor(MegatronPPOActor):
         """AReaL's ``MegatronPPOActor`` training megatron_pg_agg's objective (module docstring)."""
@@ -220,6 +291,13 @@ def actor_class():
             if not (isinstance(input_, dict) and GROUP in input_):  # not one of the actor's PPO steps
                 return super().train_batch(input_, loss_fn, loss_weight_fn)
             objective = self.pg_agg_objective
+            needed = min_microbatches(self.config.mb_spec, self.parallel_strategy.pipeline_parallel_size)
+            if input_["attention_mask"].shape[0] < needed:  # before AReaL's allocator fails deep in the step
+                raise ArealBatchError(
+                    f"this optimizer step holds {input_['attention_mask'].shape[0]} sequence(s) of whole prompt "
+                    f"groups on this DP rank, fewer than the {needed} micro-batches actor.mb_spec.n_mbs="
+                    f"{self.config.mb_spec.n_mbs} asks for: lower actor.mb_spec.n_mbs or actor.ppo_n_minibatches, "
+                    "or raise train_dataset.batch_size or gconfig.n_samples")
             batch = prepare_step(input_, mode=objective.mode, divisor=objective.divisor,
                                  m2_threshold=self.actor.m2_threshold, dp_group=mpu.get_data_parallel_group())
             return super().train_batch(batch, exact_loss_fn(loss_fn), loss_weight_fn)

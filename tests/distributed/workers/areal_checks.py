@@ -70,8 +70,12 @@ def all_cases() -> list:
         for split in SPLITS:
             cases.append(_case(f"m2po-{mode}-{split}", mode, split, loss="decoupled", m2=M2))
     cases.append(_case("sapo-stock-1mb", "token_mean", "1mb", loss="sapo", kind="stock"))
-    for baseline in ("response_mean", "response_mean_std"):  # GRPO's per-response group baseline
-        cases.append(_case(f"baseline-{baseline}", "seq_mean", "3mb", baseline=baseline))
+    # GRPO's per-response group baseline, under token_mean (DAPO's aggregation): under seq_mean a
+    # centred baseline makes J vanish at ratio 1 (each group's advantages sum to 0), so J (~0.02) is a
+    # cancellation of O(1) terms whose float32 noise sits at the 1e-6 bound; token_mean weighs each
+    # response by its length and keeps J of order 0.1
+    for baseline in ("response_mean", "response_mean_std"):
+        cases.append(_case(f"baseline-{baseline}", "token_mean", "3mb", baseline=baseline))
     for split in SPLITS:  # control: AReaL's own M2PO
         cases.append(_case(f"m2po-stock-{split}", "token_mean", split, loss="decoupled", m2=M2, kind="stock"))
     return cases

@@ -56,6 +56,38 @@ def test_ragged_groups_are_normalised_apart_and_an_empty_response_is_not_counted
         base(mask * rewards, mask)
 
 
+@pytest.mark.parametrize("std", [False, True])
+def test_a_group_without_spread_gets_advantage_zero(std):
+    """Groups of 3 responses all rewarded 0.9 (their float32 mean is 0.9 + 6e-8: AReaL's eps 1e-5
+    would turn that into advantages of 6e-3), a singleton group, and a group of 2 with rewards 1
+    and 0 beside them: the first two get exactly 0, the third the usual +-0.5 (no std) or +-0.7071
+    (unbiased std, eps 1e-5). Catches a difference of rounding divided by eps, or a singleton's
+    per-token deviation divided by eps (the outside check's 2.7e3)."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    rewards = torch.tensor([[0.9], [0.9], [0.9], [0.3], [1.0], [0.0]])
+    base = ResponseGroupBaseline(std=std)
+    base.group_sizes = [3, 1, 2]
+    out = base(mask * rewards, mask)
+    assert torch.equal(out[:4], torch.zeros(4, 3))
+    spread = 0.5 / (0.5 ** 0.5 + 1e-5) if std else 0.5
+    assert torch.allclose(out[4:], torch.tensor([[spread, 0, 0], [-spread, -spread, -spread]]), rtol=1e-6, atol=0)
+
+
+def test_advantages_varying_along_a_response_are_refused_naming_areals_keys():
+    """A singleton group whose tokens carry a KL term in the reward (deviations of 0.03, as in the
+    outside check): refused, naming actor.kl_ctl, actor.discount and actor.gae_lambda, instead of
+    (A_t - v) / eps. A deviation of float32 rounding (1e-7 relative) is accepted."""
+    mask = torch.ones(2, 3)
+    advantages = torch.tensor([[0.5, 0.53, 0.47], [0.2, 0.2, 0.2]])
+    base = ResponseGroupBaseline(std=True)
+    base.group_sizes = [1, 1]
+    with pytest.raises(ValueError, match="row 0's advantages vary.*actor.kl_ctl=0, actor.discount=1 and "
+                                         "actor.gae_lambda=1"):
+        base(advantages, mask)
+    rounding = torch.tensor([[0.5, 0.5 * (1 + 1e-7), 0.5], [0.2, 0.2, 0.2]])
+    assert torch.equal(base(rounding, mask), torch.zeros(2, 3))
+
+
 @pytest.mark.optional_stack
 def test_control_areals_own_group_normalisation_is_token_weighted():
     require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
@@ -100,6 +132,56 @@ def test_start_up_refusals_name_the_areal_keys():
     assert "actor.m2_threshold with actor.prox_logp_method=loglinear" in config_problems(m2, objective)[0]
 
 
+def test_a_group_baseline_with_advantages_varying_along_a_response_is_refused_at_start_up():
+    """group_baseline under AReaL's default kl_ctl=0.1, a discount or a GAE lambda below 1: each
+    refused naming the key and its value; kl_ctl=0, discount=gae_lambda=1 are accepted, and
+    without group_baseline AReaL's defaults are not refused."""
+    def actor(**keys):
+        return SimpleNamespace(ppo_n_minibatches=1, **{"kl_ctl": 0.0, "discount": 1.0, "gae_lambda": 1.0, **keys})
+
+    baseline = ArealObjective("seq_mean", group_baseline="response_mean_std")
+    assert config_problems(actor(), baseline) == []
+    for key, value in (("kl_ctl", 0.1), ("discount", 0.99), ("gae_lambda", 0.95)):
+        (problem,) = config_problems(actor(**{key: value}), baseline)
+        assert f"actor.{key}={value}" in problem and "group_baseline=response_mean_std" in problem, problem
+    assert config_problems(actor(kl_ctl=0.1), ArealObjective("seq_mean")) == []
+
+
+def test_a_step_too_small_for_the_micro_batch_count_is_refused_at_start_up():
+    """The outside check's crash (DP 2, ppo_n_minibatches=2, mb_spec.n_mbs=4, groups of 3: a step
+    of one group holds 3 sequences, AReaL's allocator wants 4): refused naming the keys; 4 prompts
+    per rank (2 groups, 6 sequences a step) fit; with 2 pipeline stages AReaL asks for 4
+    micro-batches even at n_mbs=1. Catches the check missing, or a bound other than the
+    pigeonhole's floor(groups per rank / steps) groups."""
+    def problems(prompts, n_mbs, pp_size=1, n_steps=2):
+        actor = SimpleNamespace(ppo_n_minibatches=n_steps, mb_spec=SimpleNamespace(n_mbs=n_mbs))
+        return config_problems(actor, ArealObjective("token_mean"), prompts_per_step=prompts, dp_size=2,
+                               samples_per_prompt=3, pp_size=pp_size)
+
+    (problem,) = problems(prompts=4, n_mbs=4)
+    for key in ("actor.mb_spec.n_mbs=4", "needs 4 sequences", "at most 3", "train_dataset.batch_size=4",
+                "gconfig.n_samples=3", "actor.ppo_n_minibatches=2"):
+        assert key in problem, problem
+    assert problems(prompts=8, n_mbs=4) == [] and problems(prompts=4, n_mbs=3) == []
+    assert problems(prompts=6, n_mbs=4, n_steps=2) != []  # 3 groups a rank: some step holds one (3 sequences)
+    assert "2 x 2 pipeline stages" in problems(prompts=4, n_mbs=1, pp_size=2)[0]
+
+
+def test_a_relative_model_folder_is_made_absolute(tmp_path, monkeypatch):
+    """actor.path / ref.path naming a folder relative to the working directory become absolute
+    (mbridge would join the relative path onto itself); absolute paths, hub names and missing
+    folders are left as given."""
+    from megatron_pg_agg.integrations.areal_plugin import _absolute_model_paths
+
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = SimpleNamespace(actor=SimpleNamespace(path="model"), ref=SimpleNamespace(path="Qwen/Qwen3-0.6B"))
+    _absolute_model_paths(config)
+    assert config.actor.path == str(tmp_path / "model") and config.ref.path == "Qwen/Qwen3-0.6B"
+    _absolute_model_paths(config)
+    assert config.actor.path == str(tmp_path / "model")
+
+
 USE_PG_AGG = """
 import importlib, os, subprocess, sys
 from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches
@@ -111,6 +193,12 @@ from megatron_pg_agg.integrations.areal_plugin import ENV, ArealObjective, use_p
 config = GRPOConfig()
 config.train_dataset.batch_size, config.actor.ppo_n_minibatches = 8, 2
 os.environ[ENV] = "constant:512;group_baseline=response_mean"
+try:  # AReaL's default kl_ctl=0.1 puts a KL into the reward: refused with a group baseline
+    use_pg_agg(config)
+    raise SystemExit("kl_ctl=0.1 was not refused")
+except ValueError as error:
+    assert "actor.kl_ctl=0.1" in str(error), error
+config.actor.kl_ctl = 0.0
 assert use_pg_agg(config) == ArealObjective("constant", 512, "response_mean")
 assert all(s.env_vars[ENV] == os.environ[ENV] for s in config.actor.scheduling_spec)
 from areal.engine import MegatronPPOActor as chosen  # what AReaL's trainer imports
