@@ -34,7 +34,7 @@ import torch
 from megatron_pg_agg.core.modes import CONSTANT, PROMPT_MEAN, resolve_mode
 from megatron_pg_agg.core.segments import exclusive_cumsum
 
-from .step_weights import dp_step_weights
+from .step_weights import cut_groups, dp_step_weights
 
 __all__ = ["SlimeConfigError", "SlimeObjective", "step_denominators", "CLAMP_SLACK"]
 
@@ -103,20 +103,11 @@ def step_denominators(denominator_masks: Sequence[Sequence[int]], numerator_mask
             missing = [names[i] for i in range(count) if group_ids is None or group_ids[i] is None]
             raise SlimeConfigError("prompt_mean needs each sample's prompt group (slime's Sample.group_index); "
                                    f"it is None for: {', '.join(missing[:20])}")
-        step_of = {}
-        for s, members in enumerate(steps):
-            for i in members:
-                step_of.setdefault(group_ids[i], set()).add(s)
-        trained = {i for members in steps for i in members}
-        for i in range(count):
-            if i not in trained and group_ids[i] in step_of:
-                step_of[group_ids[i]].add("the remainder slime drops")
-        cut = {g: s for g, s in step_of.items() if len(s) > 1}
+        cut = cut_groups(steps, group_ids, count, remainder="the remainder slime drops")
         if cut:
             raise SlimeConfigError(
                 "prompt_mean needs every prompt group inside one optimizer step, but slime's step grouping "
-                "(--global-batch-size rollouts in order) cuts " + "; ".join(
-                    f"group {g} over steps {sorted(s, key=str)}" for g, s in list(cut.items())[:20])
+                "(--global-batch-size rollouts in order) cuts " + "; ".join(cut[:20])
                 + ": make --global-batch-size a multiple of --n-samples-per-prompt (and keep a group's "
                 "samples together)")
     out = [1.0] * count

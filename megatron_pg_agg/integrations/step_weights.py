@@ -22,7 +22,7 @@ import torch
 from megatron_pg_agg.core.aggregation import token_weights
 from megatron_pg_agg.core.segments import exclusive_cumsum
 
-__all__ = ["StepWeights", "dp_step_weights", "gather_over_dp", "global_layout"]
+__all__ = ["StepWeights", "cut_groups", "dp_step_weights", "gather_over_dp", "global_layout"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,27 @@ class StepWeights:
     """W of the whole step (every DP rank): the objective's divisor."""
     valid_tokens: int
     """D: the step's valid (denominator) tokens on every DP rank."""
+
+
+def cut_groups(steps: Sequence[Sequence[int]], group_ids: Sequence, rows: int, *,
+               remainder: str = "the remainder the host drops") -> list:
+    """The prompt groups a host's optimizer steps cut (prompt_mean needs each inside one step), as
+    ``"group <id> over steps [...]"``: ``steps`` lists the row indices of each step, in order;
+    ``group_ids`` one hashable per row (``rows`` of them); rows in no step are never trained and
+    count as one more place, ``remainder``."""
+    if group_ids is None or len(group_ids) != rows or any(g is None for g in group_ids):
+        missing = rows if group_ids is None else sum(g is None for g in group_ids) + abs(len(group_ids) - rows)
+        raise ValueError(f"prompt_mean needs one prompt group per row: {missing} of {rows} rows have none")
+    places: dict = {}
+    trained = set()
+    for s, members in enumerate(steps):
+        for i in members:
+            places.setdefault(group_ids[i], set()).add(s)
+            trained.add(i)
+    for i in range(rows):
+        if i not in trained and group_ids[i] in places:
+            places[group_ids[i]].add(remainder)
+    return [f"group {g} over steps {sorted(s, key=str)}" for g, s in places.items() if len(s) > 1]
 
 
 def gather_over_dp(mine, dp_group=None) -> tuple:
