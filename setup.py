@@ -1,7 +1,8 @@
 """megatron_pg_agg: exact policy-gradient loss aggregation for Megatron-core RL training.
 
 The top-level ``patches/`` folder (runtime patches of megatron-core, one module each) is shipped
-as the subpackage ``megatron_pg_agg.patches``.
+as the subpackage ``megatron_pg_agg.patches``, its CPU stand-ins ``patches/cpu/`` as
+``megatron_pg_agg.patches.cpu``.
 """
 import re
 from pathlib import Path
@@ -56,8 +57,9 @@ setup(
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
     packages=["megatron_pg_agg", "megatron_pg_agg.core", "megatron_pg_agg.data", "megatron_pg_agg.megatron",
               "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations",
-              "megatron_pg_agg.online", "megatron_pg_agg.patches"],
-    package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches"},
+              "megatron_pg_agg.online", "megatron_pg_agg.patches", "megatron_pg_agg.patches.cpu"],
+    package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches",
+                 "megatron_pg_agg.patches.cpu": "patches/cpu"},
     python_requires=">=3.10",
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
     extras_require={
