@@ -12,7 +12,8 @@ from setuptools import setup
 
 def _versions_constant(name: str) -> str:
     """A string constant of megatron_pg_agg/versions.py, read as text: the package cannot be
-    imported before its dependencies are installed. The supported ranges are written there once."""
+    imported before its dependencies are installed. The package's version and the supported ranges
+    are written there once."""
     text = (Path(__file__).parent / "megatron_pg_agg" / "versions.py").read_text()
     return re.search(rf'^{name} = "([^"]+)"', text, re.M).group(1)
 
@@ -53,7 +54,7 @@ AREAL = ["transformers==5.3.0", "hydra-core==1.4.0.dev1", "omegaconf==2.4.0.dev2
 
 setup(
     name="megatron_pg_agg",
-    version="0.1.0",
+    version=_versions_constant("PACKAGE_VERSION"),
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
     packages=["megatron_pg_agg", "megatron_pg_agg.core", "megatron_pg_agg.data", "megatron_pg_agg.megatron",
               "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations",
