@@ -1,7 +1,8 @@
 """megatron_pg_agg: exact policy-gradient loss aggregation for Megatron-core RL training.
 
 The top-level ``patches/`` folder (runtime patches of megatron-core, one module each) is shipped
-as the subpackage ``megatron_pg_agg.patches``.
+as the subpackage ``megatron_pg_agg.patches``, its CPU stand-ins ``patches/cpu/`` as
+``megatron_pg_agg.patches.cpu``.
 """
 import re
 from pathlib import Path
@@ -11,7 +12,8 @@ from setuptools import setup
 
 def _versions_constant(name: str) -> str:
     """A string constant of megatron_pg_agg/versions.py, read as text: the package cannot be
-    imported before its dependencies are installed. The supported ranges are written there once."""
+    imported before its dependencies are installed. The package's version and the supported ranges
+    are written there once."""
     text = (Path(__file__).parent / "megatron_pg_agg" / "versions.py").read_text()
     return re.search(rf'^{name} = "([^"]+)"', text, re.M).group(1)
 
@@ -52,12 +54,13 @@ AREAL = ["transformers==5.3.0", "hydra-core==1.4.0.dev1", "omegaconf==2.4.0.dev2
 
 setup(
     name="megatron_pg_agg",
-    version="0.1.0",
+    version=_versions_constant("PACKAGE_VERSION"),
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
     packages=["megatron_pg_agg", "megatron_pg_agg.core", "megatron_pg_agg.data", "megatron_pg_agg.megatron",
               "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations",
-              "megatron_pg_agg.online", "megatron_pg_agg.patches"],
-    package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches"},
+              "megatron_pg_agg.online", "megatron_pg_agg.patches", "megatron_pg_agg.patches.cpu"],
+    package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches",
+                 "megatron_pg_agg.patches.cpu": "patches/cpu"},
     python_requires=">=3.10",
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
     extras_require={

@@ -6,8 +6,10 @@ from .core.aggregation import TokenWeights, aggregate, token_weights, weighted_s
 from .core.losses import PGLossConfig
 from .core.modes import ALIASES, MODES, REFUSED_ALIASES, resolve_mode
 from .training.args import add_pg_agg_args, config_from_args
+from .versions import PACKAGE_VERSION
 
-__version__ = "0.1.0"
+__version__ = PACKAGE_VERSION
+"""This package's version (written once, in :mod:`megatron_pg_agg.versions`)."""
 
 __all__ = [
     "ALIASES",

@@ -1,4 +1,5 @@
-"""The one place the supported Megatron releases are written (setup.py and .ci/run read this file).
+"""The one place the package's version and the supported Megatron releases are written (setup.py and
+.ci/run read this file).
 
 megatron-core 0.15.x to 0.19.x are supported, each with the Megatron-LM training side of the same
 minor release (tags ``core_v0.15.x`` ... ``core_v0.19.x``). Every runtime patch checks the installed
@@ -21,6 +22,10 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+
+PACKAGE_VERSION = "0.1.0"
+"""This package's version: setup.py's ``version``, ``megatron_pg_agg.__version__`` and the version a run
+records (``training.metrics``, which may import this module and not the package root)."""
 
 SUPPORTED_MEGATRON_CORE = ">=0.15.0,<0.20"
 """PEP 440 specifier set of the megatron-core releases the project supports."""

@@ -7,44 +7,52 @@ anything, wraps (never copies) the upstream functions, is idempotent and can be 
 Every patch supports megatron-core 0.15.x to 0.19.x (``megatron_pg_agg.versions``); a target that
 exists only in some releases names its own range (``Target.releases``).
 
-Patches
-    ``cpu_gloo`` (:mod:`.cpu_gloo`): runs schedules, DDP,
-    tensor-parallel layers and GPTModel on CPU with gloo by redirecting megatron-core's CUDA
-    buffers, synchronisation, causal mask, RNG tracker and ``Tensor.cuda()`` (tied embeddings,
-    PP > 1) to the CPU. CPU-only: refuses to apply when CUDA is available. Targets and reasons are
-    listed in its module docstring.
-    ``megatron_lm_cpu`` (:mod:`.megatron_lm_cpu`), with the Megatron-LM checkout of the
-    installed megatron-core's minor release (:mod:`._megatron_lm_release`): lets Megatron-LM's
-    own ``pretrain()`` run on CPU (device-'cuda' counters, streams, memory stats,
-    ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a stand-in for the one
-    triton-importing module). CPU-only.
-    ``megatron_lm_log`` (:mod:`.megatron_lm_log`), same checkout check: wraps Megatron-LM's
+The folder shows which modules can change a run and which only make CPU runs possible: the
+device patches and the machinery are at the top, the CPU stand-ins in ``patches/cpu``
+(``megatron_pg_agg.patches.cpu``).
+
+Patches that can change a run (any device)
+    ``megatron_lm_log`` (:mod:`.megatron_lm_log`), with the Megatron-LM checkout of the installed
+    megatron-core's minor release (:mod:`._megatron_lm_release`): wraps Megatron-LM's
     ``training_log`` to hand each iteration's reduced report to registered observers (its console
-    drops values that are not > 0). Any device.
+    drops values that are not > 0).
     ``moe_aux_loss`` (:mod:`.moe_aux_loss`): MoE router aux/z losses keep Megatron's
     default strength under ``calculate_per_token_loss`` (token multiply off, a per-step factor
-    ``W / M_total`` set by :func:`.moe_aux_loss.set_moe_aux_loss_scale`). Any device.
+    ``W / M_total`` set by :func:`.moe_aux_loss.set_moe_aux_loss_scale`).
     ``mtp_loss`` (:mod:`.mtp_loss`): the multi-token-prediction loss is a token mean over the
     step's valid response tokens in every mode (a per-step factor ``W / D`` set by
     :func:`.mtp_loss.set_mtp_loss_scale`, 0.17+'s local count ratio neutralised, packed
-    sequences rolled within their padded slots). megatron-core 0.16 to 0.19. Any device.
+    sequences rolled within their padded slots). megatron-core 0.16 to 0.19.
     ``megatron_rl`` (:mod:`.megatron_rl`), Megatron-LM core_v0.19.x: the RL loop's rollout and
     collection seams (the RL entry's replayed rollouts and planner), ``fp32_output`` dropped
-    where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran. Any device.
-    ``megatron_rl_cpu`` (:mod:`.megatron_rl_cpu`): the RL loop's data path on CPU. CPU-only.
-    ``bridge_cpu`` (:mod:`.bridge_cpu`): Megatron-Bridge imports without Transformer Engine (a
-    stand-in for its LoRA layers module). megatron-core 0.19, megatron-bridge 0.6. CPU-only.
-    ``bridge_loop_cpu`` (:mod:`.bridge_loop_cpu`): Megatron-Bridge's own training loop on CPU
-    (``allow_no_cuda``, the CUDA spots of its set-up, loop and loaders). CPU-only.
+    where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran.
     ``verl_engine`` (:mod:`.verl_engine`), verl 0.9: the step weights on verl's mini-batch before its
     micro-batch split, and the actor worker's loss set when ``loss_mode`` is ``pg_agg``
-    (``megatron_pg_agg.integrations.verl_plugin``). Any device.
+    (``megatron_pg_agg.integrations.verl_plugin``).
     ``areal_actor`` (:mod:`.areal_actor`), AReaL 1.0.x: the actor's optimizer steps cut along whole
     prompt groups for the plug-in's marked batches (``megatron_pg_agg.integrations.areal_plugin``
-    applies it). Any device.
-    AReaL's Megatron engine on CPU (tests): :func:`.areal_cpu.apply_areal_cpu_patches` applies
+    applies it).
+    The machinery: :mod:`._machinery` (the :class:`Patch` mechanism), :mod:`._megatron_lm_release`
+    (a Megatron-LM checkout's release), :mod:`._step_factor` (the per-step factors' shared pieces).
+
+CPU stand-ins (patches/cpu: CPU-only, each refuses to apply where CUDA is available)
+    ``cpu_gloo`` (:mod:`.cpu.cpu_gloo`): runs schedules, DDP,
+    tensor-parallel layers and GPTModel on CPU with gloo by redirecting megatron-core's CUDA
+    buffers, synchronisation, causal mask, RNG tracker and ``Tensor.cuda()`` (tied embeddings,
+    PP > 1) to the CPU. Targets and reasons are listed in its module docstring.
+    ``megatron_lm_cpu`` (:mod:`.cpu.megatron_lm_cpu`), same checkout check as ``megatron_lm_log``:
+    lets Megatron-LM's own ``pretrain()`` run on CPU (device-'cuda' counters, streams, memory
+    stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a stand-in for the one
+    triton-importing module).
+    ``megatron_rl_cpu`` (:mod:`.cpu.megatron_rl_cpu`): the RL loop's data path on CPU.
+    ``bridge_cpu`` (:mod:`.cpu.bridge_cpu`): Megatron-Bridge imports without Transformer Engine (a
+    stand-in for its LoRA layers module). megatron-core 0.19, megatron-bridge 0.6.
+    ``bridge_loop_cpu`` (:mod:`.cpu.bridge_loop_cpu`): Megatron-Bridge's own training loop on CPU
+    (``allow_no_cuda``, the CUDA spots of its set-up, loop and loaders).
+    AReaL's Megatron engine on CPU (tests): :func:`.cpu.areal_cpu.apply_areal_cpu_patches` applies
     ``cpu_gloo`` and the stand-ins ``areal_engine_cpu``, ``mbridge_pins``, ``mbridge_cpu``,
-    ``areal_mbridge_dtype``, ``distrib_optimizer_cpu`` (each CPU-only; docs/areal.md).
+    ``areal_mbridge_dtype``, ``distrib_optimizer_cpu`` (docs/areal.md).
+    :mod:`.cpu._cpu_torch`: the CPU proxies of ``torch`` these patches put in a module's namespace.
 
 Usage::
 
@@ -55,20 +63,9 @@ Usage::
 """
 from __future__ import annotations
 
-from . import (
-    _machinery,
-    bridge_cpu,
-    bridge_loop_cpu,
-    cpu_gloo,
-    megatron_lm_cpu,
-    megatron_lm_log,
-    megatron_rl,
-    megatron_rl_cpu,
-    moe_aux_loss,
-    mtp_loss,
-    verl_engine,
-)
+from . import _machinery, megatron_lm_log, megatron_rl, moe_aux_loss, mtp_loss, verl_engine
 from ._machinery import Patch, Target, is_applied
+from .cpu import bridge_cpu, bridge_loop_cpu, cpu_gloo, megatron_lm_cpu, megatron_rl_cpu
 
 __all__ = [
     "PATCHES",

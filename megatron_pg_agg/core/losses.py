@@ -31,8 +31,8 @@ over ALL of sequence i's tokens (other CP ranks included; ``N_i`` is host data f
 
 The sequence statistics ``S_i``/``M_i`` are detached sums: ONE all-reduce of a ``[sequences in the
 part]`` vector over the context-parallel group per microbatch (none for ppo/cispo), no host sync.
-A rollout-engine correction (planner, host) multiplies ``pg_t`` by a per-token weight and/or
-removes tokens from the numerator; it never touches the KL and entropy terms.
+A rollout-engine correction (:mod:`.rollout_correction`, on the host) multiplies ``pg_t`` by a
+per-token weight and/or removes tokens from the numerator; it never touches the KL and entropy terms.
 """
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ class PGLossConfig:
     """Per-token policy loss: ppo, gspo, gmpo or cispo (module docstring); the aggregation mode
     stays orthogonal."""
     rollout_correction: Optional[str] = None
-    """Rollout-engine correction from ``rollout_logprobs`` (planner, host): token_truncate (TIS),
-    token_mask, sequence_truncate, sequence_mask; None = off."""
+    """Rollout-engine correction from ``rollout_logprobs`` (:mod:`.rollout_correction`, host):
+    token_truncate (TIS), token_mask, sequence_truncate, sequence_mask; None = off."""
     rollout_correction_max: float = 2.0
     """C: truncation cap of the importance weight, and upper bound of the masks."""
     rollout_correction_min: float = 0.0

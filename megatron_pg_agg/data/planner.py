@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from megatron_pg_agg.core import rollout_correction as engine_correction
 from megatron_pg_agg.core.aggregation import TokenWeights, token_weights
 from megatron_pg_agg.core.context_parallel import cp_partition_index
 from megatron_pg_agg.core.losses import PGLossConfig, StepTotals
@@ -218,7 +219,7 @@ def plan_step(
     layout = token_layout(batch, order, weights, bins, correction, plan_cfg, cp_rank)
     plan = assemble_microbatches(batch, order, weights, bins, layout, plan_cfg)
     if correction is not None:
-        plan.correction_stats = correction_stats(batch, correction)
+        plan.correction_stats = engine_correction.correction_stats(batch.loss_mask, correction)
     return plan
 
 
@@ -634,61 +635,12 @@ def policy_loss_notes(batches: dict, loss_cfg: PGLossConfig) -> list:
     return notes
 
 
-@dataclass(frozen=True)
-class RolloutCorrection:
-    """A step's rollout-engine correction on the response tokens (rollout order), host tensors."""
-
-    numerator_mask: torch.Tensor
-    """bool: the numerator after masking (tokens outside [c, C] leave it; the denominator stays)."""
-    weights: torch.Tensor
-    """float32: the weight of each token's PG term (truncated importance weight, else 1)."""
-    masked: torch.Tensor
-    """bool: valid tokens the correction removed from the numerator."""
-    truncated: torch.Tensor
-    """bool: valid tokens whose weight was capped at C."""
-
-
-def rollout_correction(batch: RolloutBatch, loss_cfg: PGLossConfig) -> Optional[RolloutCorrection]:
-    """The correction ``loss_cfg.rollout_correction`` asks for (None when off), from
-    ``delta_t = old_logprobs_t - rollout_logprobs_t`` (the trainer's behaviour policy against the
-    engine that sampled): token_truncate ``w_t = min(exp(delta_t), C)`` (TIS); token_mask keeps
-    tokens with ``exp(delta_t)`` in ``[c, C]``; sequence_truncate ``w_i = min(exp(mean_i delta), C)``
-    and sequence_mask keep or drop a whole sequence on ``exp(mean_i delta)``, the mean over the
-    sequence's valid (denominator) tokens. Computed once per step on the host."""
-    kind = loss_cfg.rollout_correction
-    if kind is None:
-        return None
-    valid = batch.loss_mask
-    numerator = valid if batch.numerator_mask is None else batch.numerator_mask
-    delta = torch.where(valid, batch.old_logprobs.double() - batch.rollout_logprobs.double(), 0.0)
-    if kind.startswith("sequence"):
-        r_start = exclusive_cumsum(batch.response_lengths)
-        owner = segment_ids(r_start, int(r_start[-1]))
-        n = len(batch)
-        sums = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, delta)
-        counts = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, valid.double())
-        delta = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)[owner]
-    ratio = torch.exp(delta)
-    cap, floor = loss_cfg.rollout_correction_max, loss_cfg.rollout_correction_min
-    no = torch.zeros_like(valid)
-    if kind.endswith("truncate"):
-        truncated = valid & (ratio > cap)
-        weights = torch.where(valid, ratio.clamp(max=cap), 1.0).float()
-        return RolloutCorrection(numerator, weights, no, truncated)
-    keep = (ratio >= floor) & (ratio <= cap)
-    return RolloutCorrection(numerator & keep, torch.ones_like(ratio, dtype=torch.float32), valid & ~keep, no)
-
-
-def correction_stats(batch: RolloutBatch, correction: RolloutCorrection) -> dict:
-    """The step's correction counts as host ``{name: (sum, count)}``: tokens masked and truncated
-    over the valid tokens, and the sum of the weights over the (corrected) numerator tokens."""
-    valid = float(batch.loss_mask.sum())
-    numerator = correction.numerator_mask
-    return {
-        "correction_masked": (float(correction.masked.sum()), valid),
-        "correction_truncated": (float(correction.truncated.sum()), valid),
-        "correction_weight": (float(torch.where(numerator, correction.weights, 0.0).sum()), float(numerator.sum())),
-    }
+def rollout_correction(batch: RolloutBatch, loss_cfg: PGLossConfig) -> Optional[engine_correction.RolloutCorrection]:
+    """:func:`megatron_pg_agg.core.rollout_correction.rollout_correction` on a batch's response
+    tokens (None when ``loss_cfg`` asks for none)."""
+    return engine_correction.rollout_correction(
+        batch.loss_mask, batch.old_logprobs, batch.rollout_logprobs, batch.response_lengths, loss_cfg,
+        numerator_mask=batch.numerator_mask)
 
 
 def _choose_microbatches(padded: list, cfg: PlanConfig) -> tuple:

@@ -25,7 +25,7 @@ WHY
     softmax and the log-probs would no longer be transformers'.
 
     On CPU the ``bridge_cpu`` patch stands in for the one Megatron-Bridge module that imports
-    Transformer Engine at its top (patches/bridge_cpu.py).
+    Transformer Engine at its top (patches/cpu/bridge_cpu.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ calls ``loss_function(model_output, data, dp_group)`` on each. Whatever the layo
    (the engine patch calls it; host tensors, nothing on the device): the step's token weights
    ``c_t`` over the mini-batch of ALL DP ranks (:func:`megatron_pg_agg.integrations.step_weights.
    dp_step_weights`, shared with the AReaL plug-in), with verl's ``uid`` as the prompt group; the rollout correction
-   (:func:`megatron_pg_agg.data.planner.rollout_correction`) on the rank's own rows. The result
+   (:func:`megatron_pg_agg.core.rollout_correction.rollout_correction`) on the rank's own rows. The result
    travels per token, as fields of the batch laid out like ``response_mask`` (padded or jagged),
    so every micro-batch split carries its tokens' weights; ``W`` and ``D`` travel as non-tensor data.
 2. :meth:`VerlPGLoss.__call__` on each micro-batch: :func:`megatron_pg_agg.core.losses.pg_loss_sum`
@@ -29,13 +29,13 @@ Micro-batch sizes, dynamic batching and the padded or jagged layout only cut the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from megatron_pg_agg.core.aggregation import TokenWeights
 from megatron_pg_agg.core.losses import LossPart, PGLossConfig, SequenceStatistic, StepTotals, pg_loss_sum
 from megatron_pg_agg.core.modes import PROMPT_MEAN
+from megatron_pg_agg.core.rollout_correction import rollout_correction
 
 from .step_weights import dp_step_weights
 
@@ -84,20 +84,6 @@ def _rows(response_mask: torch.Tensor) -> _Rows:
     return _Rows(torch.full((response_mask.shape[0],), response_mask.shape[1], dtype=torch.int64), False)
 
 
-@dataclass
-class _CorrectionInputs:
-    """What :func:`megatron_pg_agg.data.planner.rollout_correction` reads of a batch."""
-
-    loss_mask: torch.Tensor
-    old_logprobs: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    response_lengths: torch.Tensor
-    numerator_mask: Optional[torch.Tensor] = None
-
-    def __len__(self) -> int:
-        return len(self.response_lengths)
-
-
 def _group_ids(data) -> list:
     if GROUP_KEY not in data.keys():
         raise VerlBatchError(f"prompt_mean needs verl's {GROUP_KEY!r} in the batch (the prompt key GRPO groups by); "
@@ -135,11 +121,8 @@ class VerlPGLoss:
                 raise VerlBatchError(f"actor_rollout_ref.pg_agg.rollout_correction needs {ROLLOUT_LOGPROBS!r} in "
                                      "the batch (the rollout engine's log-probs: "
                                      "actor_rollout_ref.rollout.calculate_log_probs=True)")
-            from megatron_pg_agg.data.planner import rollout_correction  # noqa: PLC0415
-
-            correction = rollout_correction(_CorrectionInputs(
-                mask, rows.flat(data["old_log_probs"]).float(), rows.flat(data[ROLLOUT_LOGPROBS]).float(),
-                rows.lengths), cfg)
+            correction = rollout_correction(mask, rows.flat(data["old_log_probs"]).float(),
+                                            rows.flat(data[ROLLOUT_LOGPROBS]).float(), rows.lengths, cfg)
             numerator, weights = correction.numerator_mask, correction.weights
         elif has_verl_is:
             weights = rows.flat(data[VERL_IS_WEIGHTS]).float()

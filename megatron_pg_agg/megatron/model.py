@@ -76,7 +76,7 @@ TE_FUSIONS = ("apply_rope_fusion", "gradient_accumulation_fusion", "persist_laye
 
 # CPU (gloo): fp32, weights built on the CPU, every fused kernel off, and no batched p2p (gloo
 # mismatches batched isend/irecv with interleaved pipelines, and the sync after it is a
-# torch.cuda.synchronize; see patches/cpu_gloo.py).
+# torch.cuda.synchronize; see patches/cpu/cpu_gloo.py).
 _CPU = dict(
     params_dtype=torch.float32,
     pipeline_dtype=torch.float32,

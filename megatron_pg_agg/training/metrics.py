@@ -91,12 +91,11 @@ def run_start_record(run_id: str, *, argv: list, model: str, start_iteration: in
 
     import torch  # noqa: PLC0415
 
-    from megatron_pg_agg import __version__  # noqa: PLC0415
-    from megatron_pg_agg.versions import installed_megatron_core_version  # noqa: PLC0415
+    from megatron_pg_agg.versions import PACKAGE_VERSION, installed_megatron_core_version  # noqa: PLC0415
 
     return {"event": "run_start", "run_id": run_id, "start_iteration": start_iteration, "argv": list(argv),
             "model": model, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "versions": {"megatron_pg_agg": __version__, "megatron_core": installed_megatron_core_version(),
+            "versions": {"megatron_pg_agg": PACKAGE_VERSION, "megatron_core": installed_megatron_core_version(),
                          "torch": torch.__version__, "python": platform.python_version()}, **extra}
 
 

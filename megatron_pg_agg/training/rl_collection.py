@@ -229,11 +229,8 @@ class CollectionPlanner:
 
     def __call__(self, *, model, ref_state_dict, rollouts, tokenizer, sequence_packing: bool, is_correction: bool):
         from megatron.core import parallel_state as mpu
-        from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
-        from megatron.core.utils import get_attr_wrapped_model
         from megatron.rl import rl_utils
         from megatron.training import get_args
-        from megatron.training.utils import get_ltor_masks_and_position_ids
 
         args = get_args()
         groups = [list(g) for g in rollouts]
@@ -244,28 +241,52 @@ class CollectionPlanner:
             example_groups.setdefault(g[0].env_id, g)
         flat = [r for g in groups for r in g]
         view = TokenizerView(tokenizer)
-        trajs, generation_mask, inference = rl_utils.prepare_trajectories(
-            [(r, 0) for r in flat], view, args.seq_length, args.rl_skip_bos_token)
-        _, _, position_ids = get_ltor_masks_and_position_ids(
-            trajs, view.eod, view.pad, args.reset_position_ids, args.reset_attention_mask,
-            eod_mask_loss=False, pad_mask_loss=True)
+        trajs, generation_mask, inference, position_ids = collection_trajectories(flat, view, args)
+        lengths = torch.tensor([len(r.trajectory[0]) for r in flat], dtype=torch.long)
+        logprobs = self._logprob_pass(model, trajs, generation_mask, position_ids, lengths, view.pad)
+        old, ref = self._old_and_reference_logprobs(model[0], logprobs, ref_state_dict)
+        rollout_lp = None
+        if any(x is not None for x in inference):
+            # Megatron-LM's alignment (the eod's log-prob is the old one) and its mismatch stats
+            rollout_lp = rl_utils.align_unpacked_inference_logprobs(
+                inference_logprobs=inference, old_logprobs_for_data=old, generation_masks=generation_mask,
+                group_stats=group_stats)
+        advantages = torch.tensor(group_stats.advantages, dtype=torch.float64)
+        batches = step_batches(tokens=trajs, generation_mask=generation_mask, lengths=lengths, pad=view.pad,
+                               advantages=advantages,
+                               old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout_lp, shape=self.shape)
+        self._start_collection(batches, len(groups), first_iteration=args.curr_iteration)
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        items = self._microbatches(self._first_iteration, mpu.get_data_parallel_rank())
+        return RerunDataIterator(items), group_stats, example_groups
+
+    def _logprob_pass(self, model, trajs: torch.Tensor, generation_mask: torch.Tensor, position_ids: torch.Tensor,
+                      lengths: torch.Tensor, pad: int):
+        """The collection's forward-only log-prob pass, a callable run once per set of weights: on the planner's
+        packed THD microbatches of the whole collection (:func:`packed_logprob_pass`), or Megatron-LM's
+        ``compute_logprobs_batch`` on its rows (:func:`make_logprob_pass`)."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.utils import get_attr_wrapped_model
 
         net = model[0]
         pp_group = get_attr_wrapped_model(net, "pg_collection").pp
-        lengths = torch.tensor([len(r.trajectory[0]) for r in flat], dtype=torch.long)
-        if self.packed_logprobs:
-            layout_cfg = self.plan_config(whole_collection=True)
-            layout = plan_step(collection_batch(trajs, generation_mask, lengths, view.pad, self.shape),
-                               PGLossConfig(), layout_cfg, cp_rank=mpu.get_context_parallel_rank())
-            logprobs = packed_logprob_pass(
-                model, layout.for_rank(mpu.get_data_parallel_rank()), lengths, trajs.shape[1] - 1,
-                cp_size=layout_cfg.cp_size, cp_rank=mpu.get_context_parallel_rank(),
-                tp_group=mpu.get_tensor_model_parallel_group(),
-                dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True), pp_group=pp_group,
-                device=torch.device("cuda", torch.cuda.current_device()) if self.cuda else None,
-                seq_length=layout_cfg.microbatch_tokens)
-        else:
-            logprobs = make_logprob_pass(net, trajs, position_ids, view.pad, cuda=self.cuda, pp_group=pp_group)
+        if not self.packed_logprobs:
+            return make_logprob_pass(net, trajs, position_ids, pad, cuda=self.cuda, pp_group=pp_group)
+        layout_cfg = self.plan_config(whole_collection=True)
+        layout = plan_step(collection_batch(trajs, generation_mask, lengths, pad, self.shape),
+                           PGLossConfig(), layout_cfg, cp_rank=mpu.get_context_parallel_rank())
+        return packed_logprob_pass(
+            model, layout.for_rank(mpu.get_data_parallel_rank()), lengths, trajs.shape[1] - 1,
+            cp_size=layout_cfg.cp_size, cp_rank=mpu.get_context_parallel_rank(),
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True), pp_group=pp_group,
+            device=torch.device("cuda", torch.cuda.current_device()) if self.cuda else None,
+            seq_length=layout_cfg.microbatch_tokens)
+
+    def _old_and_reference_logprobs(self, net, logprobs, ref_state_dict: dict) -> tuple:
+        """``(old, reference)`` log-probs: the pass ``logprobs`` with the live weights of ``net``, then with
+        the reference weights of ``ref_state_dict`` loaded (the live ones restored after)."""
         old = logprobs()
         if not self.cuda:
             # on CPU Megatron-LM's ref_state_dict holds ``.cpu()`` of CPU tensors, i.e. the live
@@ -279,16 +300,17 @@ class CollectionPlanner:
         net.load_state_dict(ref_state_dict)
         ref = logprobs()
         net.load_state_dict(current)
-        rollout_lp = None
-        if any(x is not None for x in inference):
-            # Megatron-LM's alignment (the eod's log-prob is the old one) and its mismatch stats
-            rollout_lp = rl_utils.align_unpacked_inference_logprobs(
-                inference_logprobs=inference, old_logprobs_for_data=old, generation_masks=generation_mask,
-                group_stats=group_stats)
-        advantages = torch.tensor(group_stats.advantages, dtype=torch.float64)
-        batches = step_batches(tokens=trajs, generation_mask=generation_mask, lengths=lengths, pad=view.pad,
-                               advantages=advantages,
-                               old_logprobs=old, ref_logprobs=ref, rollout_logprobs=rollout_lp, shape=self.shape)
+        return old, ref
+
+    def _start_collection(self, batches: list, groups: int, *, first_iteration: int) -> None:
+        """Make ``batches`` (the collection's optimizer steps, ``groups`` prompt groups) what the next
+        iterations train, from Megatron-LM's 0-based ``first_iteration``: their plans built ahead on a host
+        thread, Megatron-LM's microbatch calculator at ``B / DP`` sequences per rank, the collection counted
+        and logged."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+        from megatron.rl import rl_utils
+
         plan_cfg = self.plan_config()
         cp_rank = mpu.get_context_parallel_rank()
         if self._ahead is not None:
@@ -303,17 +325,13 @@ class CollectionPlanner:
             data_parallel_size=mpu.get_data_parallel_world_size())
         collection = self.collections
         self.collections += 1
-        self._first_iteration = args.curr_iteration  # Megatron-LM's 0-based iteration that asked for data
+        self._first_iteration = first_iteration  # Megatron-LM's 0-based iteration that asked for data
         if torch.distributed.get_rank() == 0:
             packing = (f"microbatches of at most {self.capacity} tokens" if self.capacity
                        else "one sequence per microbatch")
-            logger.info(f"collection {collection}: {len(groups)} groups x {self.shape.group_size} -> "
+            logger.info(f"collection {collection}: {groups} groups x {self.shape.group_size} -> "
                         f"{self.shape.steps} optimizer steps of {self.shape.groups_per_step} whole groups "
                         f"x {self.shape.passes} passes (mode {self.loss_cfg.mode}, {packing})")
-        from megatron.core.rerun_state_machine import RerunDataIterator
-
-        items = self._microbatches(self._first_iteration, mpu.get_data_parallel_rank())
-        return RerunDataIterator(items), group_stats, example_groups
 
     def _check_groups(self, groups: list) -> None:
         shape = self.shape
@@ -353,6 +371,21 @@ class TokenizerView:
             except AttributeError:
                 return None
         return getattr(self._tokenizer, name)
+
+
+def collection_trajectories(rollouts: list, view, args) -> tuple:
+    """Megatron-LM's trajectories of a collection's single-turn ``rollouts`` (``prepare_trajectories``:
+    padding to ``--seq-length``, its bos/eod checks; ``view`` the tokenizer): ``(trajectories, generation
+    masks, inference log-probs, position ids)``, the position ids those of ``get_ltor_masks_and_position_ids``."""
+    from megatron.rl import rl_utils
+    from megatron.training.utils import get_ltor_masks_and_position_ids
+
+    trajs, generation_mask, inference = rl_utils.prepare_trajectories(
+        [(r, 0) for r in rollouts], view, args.seq_length, args.rl_skip_bos_token)
+    _, _, position_ids = get_ltor_masks_and_position_ids(
+        trajs, view.eod, view.pad, args.reset_position_ids, args.reset_attention_mask,
+        eod_mask_loss=False, pad_mask_loss=True)
+    return trajs, generation_mask, inference, position_ids
 
 
 def make_logprob_pass(net, trajs: torch.Tensor, position_ids: torch.Tensor, pad: int, *, cuda: bool, pp_group):

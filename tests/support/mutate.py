@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 DEFAULT_FILES = (
     "megatron_pg_agg/core/aggregation.py", "megatron_pg_agg/core/losses.py", "megatron_pg_agg/core/token_layout.py",
+    "megatron_pg_agg/core/rollout_correction.py",
     "megatron_pg_agg/data/planner.py", "megatron_pg_agg/data/rollouts.py", "megatron_pg_agg/data/rollout_files.py",
     "megatron_pg_agg/training/run_config.py",
 )

@@ -17,7 +17,9 @@ def test_every_package_folder_is_shipped():
     packages = set(_setup_call_keyword("packages"))
     package_dir = _setup_call_keyword("package_dir")
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "megatron_pg_agg").rglob("__init__.py")}
-    on_disk |= {"megatron_pg_agg.patches"} if (ROOT / "patches" / "__init__.py").exists() else set()
+    # patches/ ships as megatron_pg_agg.patches, its subfolders (patches/cpu) as its subpackages
+    on_disk |= {".".join(("megatron_pg_agg", *p.parent.relative_to(ROOT).parts))
+                for p in (ROOT / "patches").rglob("__init__.py")}
     assert on_disk <= packages, sorted(on_disk - packages)
     for package in packages:
         folder = ROOT / package_dir.get(package, package.replace(".", "/"))

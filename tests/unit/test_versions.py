@@ -29,6 +29,15 @@ def test_installed_metadata_takes_torch_and_megatron_core_as_ranges_not_pins():
         assert not core.contains(release), release
 
 
+def test_the_package_version_is_written_once():
+    """setup.py's version (the installed metadata) and ``megatron_pg_agg.__version__`` are versions.py's
+    PACKAGE_VERSION, which setup.py reads as text (the package cannot be imported before its dependencies)."""
+    import megatron_pg_agg
+
+    assert importlib.metadata.version("megatron_pg_agg") == versions.PACKAGE_VERSION == megatron_pg_agg.__version__
+    assert 'version=_versions_constant("PACKAGE_VERSION")' in (ROOT / "setup.py").read_text()
+
+
 def test_the_readme_table_is_the_tested_legs():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- tested-versions:[^\n]*-->\n(.*?)\n<!-- /tested-versions -->", readme, re.S)

@@ -132,7 +132,7 @@ def main(argv: list) -> None:
     wanted = set(argv[2].split(",")) if len(argv) > 2 else None
     torch.set_num_threads(1)
     os.environ["MEGATRON_PG_AGG_AREAL"] = "token_mean"  # the actor's first objective; each case sets its own
-    from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches
+    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
 
     apply_areal_cpu_patches()
     import torch.distributed as dist

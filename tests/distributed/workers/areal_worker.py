@@ -12,7 +12,7 @@ The run builds AReaL's ``MegatronPPOActor`` as AReaL's trainer does in SPMD mode
 AReaL's ``ModelAllocation``), ``create_process_group(alloc.parallel)``, ``initialize(None,
 FinetuneSpec)`` (mbridge builds the model from DIR and loads its weights; DDP and megatron-core's
 distributed optimizer by default), all in float32, after ``apply_areal_cpu_patches()``
-(``megatron_pg_agg/patches/areal_cpu.py``). The batch is 4 prompt groups x 3 responses of ragged
+(``patches/cpu/areal_cpu.py``). The batch is 4 prompt groups x 3 responses of ragged
 lengths, as AReaL's ``GroupedRolloutWorkflow`` hands it over: one dict per group (``input_ids``,
 ``attention_mask``, ``loss_mask``, ``logprobs``, ``versions``, ``rewards``; each response padded
 to its group's longest, AReaL's own ``concat_padded_tensors``). The log-probs are the model's own
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> None:
         params.update(json.loads(open(argv[2]).read() if os.path.isfile(argv[2]) else argv[2]))
     torch.set_num_threads(1)
 
-    from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches
+    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
 
     apply_areal_cpu_patches()
     import torch.distributed as dist

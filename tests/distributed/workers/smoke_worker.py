@@ -69,7 +69,7 @@ def forward_step(data_iterator, model):
 def run_layout(tp: int, pp: int, vpp) -> str:
     layout = init_parallel(ParallelSizes(tp=tp, pp=pp, vpp=vpp))
     # variable pack lengths, except in the interleaved schedule, whose shape exchange deadlocks
-    # on gloo (see patches/cpu_gloo.py): fixed-length packs there
+    # on gloo (see patches/cpu/cpu_gloo.py): fixed-length packs there
     fixed = vpp is not None
     config = tiny_transformer_config(**layout.config_kwargs(), variable_seq_lengths=not fixed)
     model = wrap_in_ddp(build_model_chunks(config, VOCAB, MAX_SEQ_LEN), config)

@@ -68,8 +68,9 @@ def test_the_first_rollout_over_capacity_is_named_not_one_exactly_at_it():
 
 @pytest.mark.parametrize("kind", ["sequence_truncate", "sequence_mask"])
 def test_a_sequence_with_one_valid_token_gets_its_own_sequence_ratio(kind):
-    """planner.py ``rollout_correction``: a sequence's mean delta needs ``counts > 0``; with
-    ``counts > 1`` a one-valid-token sequence got delta 0 (ratio 1: never truncated or masked)."""
+    """core/rollout_correction.py ``rollout_correction`` (through the planner's call): a sequence's
+    mean delta needs ``counts > 0``; with ``counts > 1`` a one-valid-token sequence got delta 0
+    (ratio 1: never truncated or masked)."""
     base = dict(prompt_ids=[1, 2], advantages=[0.5, 0.5], group_id=0)
     one = Rollout(response_ids=[3, 4], loss_mask=[1, 0], old_logprobs=[-1.0, -1.0],
                   rollout_logprobs=[-2.0, -1.0], **base)  # exp(1) = 2.72 > C = 2: truncated / masked

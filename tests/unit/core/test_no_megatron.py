@@ -37,7 +37,8 @@ def test_core_and_data_import_without_megatron_core():
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = set(run.stdout.split())
-    assert {"megatron_pg_agg.core.aggregation", "megatron_pg_agg.core.losses", "megatron_pg_agg.data.planner",
+    assert {"megatron_pg_agg.core.aggregation", "megatron_pg_agg.core.losses",
+            "megatron_pg_agg.core.rollout_correction", "megatron_pg_agg.data.planner",
             "megatron_pg_agg.data.rollout_files", "megatron_pg_agg.data.synthetic"} <= loaded
 
 

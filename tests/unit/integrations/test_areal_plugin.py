@@ -184,7 +184,7 @@ def test_a_relative_model_folder_is_made_absolute(tmp_path, monkeypatch):
 
 USE_PG_AGG = """
 import importlib, os, subprocess, sys
-from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches
+from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
 apply_areal_cpu_patches()  # CPU: AReaL's engine module imports megatron.bridge (stood in here)
 import areal.engine
 from areal.api.cli_args import GRPOConfig
@@ -204,7 +204,7 @@ assert all(s.env_vars[ENV] == os.environ[ENV] for s in config.actor.scheduling_s
 from areal.engine import MegatronPPOActor as chosen  # what AReaL's trainer imports
 assert chosen is not own and issubclass(chosen, own)
 path = chosen.__module__ + "." + chosen.__name__  # what its single-controller workers import
-code = ("from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
+code = ("from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
         "import importlib; m, _, n = %r.rpartition('.'); c = getattr(importlib.import_module(m), n); "
         "print('CLASS', c.__mro__[1].__module__, c.__mro__[1].__name__)" % path)
 out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_pg_agg.integrations.bridge_loop import pg_recipe_problems
-from megatron_pg_agg.patches import bridge_cpu, bridge_loop_cpu
+from megatron_pg_agg.patches.cpu import bridge_cpu, bridge_loop_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 from tests.support.optional import REQUIRE_BRIDGE, require
 

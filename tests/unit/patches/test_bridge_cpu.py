@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pg_agg.patches import bridge_cpu
 from megatron_pg_agg.patches._machinery import apply, is_applied
+from megatron_pg_agg.patches.cpu import bridge_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 from tests.support.optional import REQUIRE_BRIDGE, require
 
@@ -40,7 +40,7 @@ def test_it_refuses_outside_its_releases():
 _APPLIED_FOR_REAL = """
 import sys
 import torch
-from megatron_pg_agg.patches import bridge_cpu
+from megatron_pg_agg.patches.cpu import bridge_cpu
 from megatron_pg_agg.patches._machinery import MARKER, apply, revert, stood_in
 
 assert "transformer_engine" not in sys.modules  # the condition the stand-in is for

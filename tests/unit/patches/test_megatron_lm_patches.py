@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from megatron_pg_agg import patches
-from megatron_pg_agg.patches import _machinery, _megatron_lm_release, megatron_lm_cpu, megatron_lm_log
+from megatron_pg_agg.patches import _machinery, _megatron_lm_release, megatron_lm_log
 from megatron_pg_agg.patches._machinery import MARKER
 from megatron_pg_agg.patches._megatron_lm_release import (
     SUPPORTED_TAGS,
     UnsupportedMegatronLM,
     check_pretrain_signature,
 )
+from megatron_pg_agg.patches.cpu import megatron_lm_cpu
 
 STAND_IN = megatron_lm_cpu.BATCH_INVARIANT_KERNELS
 TRITON = importlib.util.find_spec("triton") is not None

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megatron_pg_agg import patches, versions
-from megatron_pg_agg.patches import _machinery, cpu_gloo
+from megatron_pg_agg.patches import _machinery
 from megatron_pg_agg.patches._machinery import MARKER, Patch, Target
+from megatron_pg_agg.patches.cpu import cpu_gloo
 
 PATCH = cpu_gloo.PATCH
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 
-from ._machinery import Patch, Target
+from .._machinery import Patch, Target
 from .areal_engine_cpu import ENGINE, SUPPORTED, require_areal_on_cpu
 
 NAME = "areal_mbridge_dtype"

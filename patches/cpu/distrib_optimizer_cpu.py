@@ -25,8 +25,8 @@ TARGETS (megatron-core 0.17)
 """
 from __future__ import annotations
 
+from .._machinery import Patch, Target
 from ._cpu_torch import under_mode
-from ._machinery import Patch, Target
 from .areal_engine_cpu import SUPPORTED, require_areal_on_cpu
 from .cpu_gloo import _CpuFloatTypeReadsAsCuda
 

@@ -87,9 +87,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..versions import SUPPORTED_MEGATRON_CORE
+from ...versions import SUPPORTED_MEGATRON_CORE
+from .._machinery import Patch, Target
 from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy, under_mode
-from ._machinery import Patch, Target
 
 NAME = "cpu_gloo"
 SUPPORTED = SUPPORTED_MEGATRON_CORE

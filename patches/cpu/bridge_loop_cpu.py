@@ -31,8 +31,8 @@ TARGETS (megatron-core 0.19, megatron-bridge 0.6.x)
 """
 from __future__ import annotations
 
+from .._machinery import Patch, Target
 from ._cpu_torch import make_torch_proxy
-from ._machinery import Patch, Target
 from .bridge_cpu import SUPPORTED, _require_cpu_and_bridge
 from .megatron_lm_cpu import _make_allow_no_cuda, _make_compile_helpers, _make_noop
 

@@ -1,6 +1,6 @@
 """AReaL 1.0.4's Megatron engine on a CPU machine: the one entry that applies every stand-in it needs.
 
-    from megatron_pg_agg.patches.areal_cpu import apply_areal_cpu_patches
+    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
     apply_areal_cpu_patches()   # before anything imports areal.engine.megatron_engine's model code
 
 What runs is AReaL's own ``MegatronPPOActor`` (its config dataclasses, ``create_process_group``,
@@ -23,8 +23,8 @@ VL models, ``bridge_type="megatron-bridge"``, LoRA, tree training.
 """
 from __future__ import annotations
 
+from .. import _machinery
 from . import (
-    _machinery,
     areal_engine_cpu,
     areal_mbridge_dtype,
     cpu_gloo,

@@ -20,11 +20,11 @@ TARGETS (megatron-core >=0.19,<0.20 with Megatron-LM core_v0.19.x): the names ab
 """
 from __future__ import annotations
 
+from .._machinery import Patch, Target
+from .._megatron_lm_release import check_checkout
+from ..megatron_rl import RL_UTILS, SUPPORTED, UNSUPPORTED_REASON
 from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
-from ._machinery import Patch, Target
-from ._megatron_lm_release import check_checkout
 from .megatron_lm_cpu import _require_cpu_only
-from .megatron_rl import RL_UTILS, SUPPORTED, UNSUPPORTED_REASON
 
 NAME = "megatron_rl_cpu"
 PACKING_UTILS = "megatron.rl.sequence_packing_utils"

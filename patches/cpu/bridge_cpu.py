@@ -36,8 +36,8 @@ import types
 
 import torch
 
+from .._machinery import Patch, StandIn, Target
 from ._cpu_torch import make_torch_proxy
-from ._machinery import Patch, StandIn, Target
 
 NAME = "bridge_cpu"
 SUPPORTED = ">=0.19,<0.20"

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import inspect
 
+from .._machinery import Patch, Target
 from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
-from ._machinery import Patch, Target
 from .areal_engine_cpu import SUPPORTED, require_areal_on_cpu
 
 NAME = "mbridge_cpu"

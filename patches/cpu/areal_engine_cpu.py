@@ -38,8 +38,8 @@ import types
 
 import torch
 
+from .._machinery import Patch, StandIn, Target
 from ._cpu_torch import _is_cuda_device, make_torch_proxy
-from ._machinery import Patch, StandIn, Target
 
 NAME = "areal_engine_cpu"
 SUPPORTED = ">=0.17,<0.18"
@@ -60,7 +60,7 @@ def require_areal_on_cpu(name: str):
     def precondition() -> None:
         from megatron_pg_agg.versions import distribution_version, in_range  # noqa: PLC0415
 
-        from .areal_actor import areal_problem  # noqa: PLC0415
+        from ..areal_actor import areal_problem  # noqa: PLC0415
 
         if torch.cuda.is_available():
             raise RuntimeError(f"patch {name!r} is a CPU-only stand-in for AReaL's Megatron engine and refuses to "

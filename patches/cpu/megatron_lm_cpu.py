@@ -30,7 +30,7 @@ HOW (wrappers only, never a copy of an upstream function)
       mode reads as off, and turning it on raises with a message saying it needs triton on a GPU.
 
 TARGETS: see :data:`PATCH` (megatron-core 0.15.x-0.19.x with the Megatron-LM checkout of the same
-minor release, recognised by :mod:`._megatron_lm_release`; targets that exist only in some releases
+minor release, recognised by :mod:`.._megatron_lm_release`; targets that exist only in some releases
 name their range). Apply :mod:`.cpu_gloo` too: this patch covers only the training side.
 """
 from __future__ import annotations
@@ -41,10 +41,10 @@ import types
 
 import torch
 
-from ..versions import SUPPORTED_MEGATRON_CORE
+from ...versions import SUPPORTED_MEGATRON_CORE
+from .._machinery import Patch, StandIn, Target
+from .._megatron_lm_release import check_checkout
 from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
-from ._machinery import Patch, StandIn, Target
-from ._megatron_lm_release import check_checkout
 
 NAME = "megatron_lm_cpu"
 SUPPORTED = SUPPORTED_MEGATRON_CORE

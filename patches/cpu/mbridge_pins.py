@@ -32,8 +32,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from .._machinery import Patch, Target
 from ._cpu_torch import _Proxy
-from ._machinery import Patch, Target
 from .areal_engine_cpu import SUPPORTED, require_areal_on_cpu
 
 NAME = "mbridge_pins"
