@@ -93,9 +93,11 @@ def _objective_rel(ours: dict, ref: dict) -> float:
     """Relative error of the objective against the size of its parts: J = pg + kl_coef * kl -
     entropy_coef * entropy is a float32 sum whose terms may cancel (J near 0 at some iterations:
     pg 0.0043 against an entropy term of -0.0048), so its rounding error scales with
-    |pg| + kl_coef |kl| + entropy_coef |entropy|, not with |J|."""
+    |pg| + kl_coef |kl| + entropy_coef |entropy|, not with |J|; and pg itself is a sum of per-token
+    terms of size |A| ~ 1 that may cancel (pg 0.00083 at TP2's iteration 2, off DP1's by 6e-9 on one
+    2-core machine), so the scale is at least 0.01, the floor of the project's max(|J|, 0.01)."""
     scale = abs(ref["pg_loss"]) + KL_COEF * abs(ref["kl"]) + ENTROPY_COEF * abs(ref["entropy"])
-    return abs(ours["objective"] - ref["objective"]) / max(abs(ref["objective"]), scale)
+    return abs(ours["objective"] - ref["objective"]) / max(abs(ref["objective"]), scale, 0.01)
 
 
 @pytest.fixture(scope="module")
