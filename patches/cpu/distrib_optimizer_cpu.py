@@ -1,8 +1,9 @@
 """megatron-core's distributed optimizer on CPU (float32 parameters).
 
 WHY
-    ``DistributedOptimizer`` (AReaL's default: ``megatron.ddp.use_distributed_optimizer=True``)
-    sorts the model's parameters into main-parameter groups by their type string:
+    ``DistributedOptimizer`` (AReaL's default: ``megatron.ddp.use_distributed_optimizer=True``;
+    NeMo-RL's: ``policy.megatron_cfg.optimizer.use_distributed_optimizer: true``) sorts the model's
+    parameters into main-parameter groups by their type string:
     ``model_param.type() == 'torch.cuda.FloatTensor'`` (and ``'torch.cuda.HalfTensor'`` /
     ``'torch.cuda.BFloat16Tensor'``) in ``_build_model_and_main_param_groups`` and ``__init__``; a
     CPU parameter reads ``'torch.FloatTensor'``, so the constructor raises ``TypeError``. The
@@ -18,26 +19,35 @@ HOW (a wrapper, never a copy)
     parameter all-gather) runs unpatched on gloo.
 
     CPU-only (refuses when CUDA is available); applied with the AReaL CPU patches
-    (:func:`.areal_engine_cpu.require_areal_on_cpu`).
+    (:mod:`.areal_cpu`) and the NeMo-RL ones (:mod:`.nemo_rl_cpu`).
 
-TARGETS (megatron-core 0.17)
+TARGETS (megatron-core 0.17 to 0.19; the type check is the same in 0.17.1 and 0.19.2)
     ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__``.
 """
 from __future__ import annotations
 
+import torch
+
 from .._machinery import Patch, Target
 from ._cpu_torch import under_mode
-from .areal_engine_cpu import SUPPORTED, require_areal_on_cpu
 from .cpu_gloo import _CpuFloatTypeReadsAsCuda
 
 NAME = "distrib_optimizer_cpu"
 
+
+def _cpu_only() -> None:
+    if torch.cuda.is_available():
+        raise RuntimeError(f"patch {NAME!r} is a CPU-only stand-in for megatron-core's distributed optimizer and "
+                           "refuses to apply when torch.cuda.is_available(); on a GPU it runs unpatched.")
+
+
 PATCH = Patch(
     name=NAME,
-    supported=SUPPORTED,
+    supported=">=0.17,<0.20",
     why=__doc__,
-    precondition=require_areal_on_cpu(NAME),
+    precondition=_cpu_only,
     targets=(Target("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
                     under_mode(_CpuFloatTypeReadsAsCuda)),),
-    unsupported_reason="written against megatron-core 0.17.1's distrib_optimizer.py (AReaL 1.0.4's release).",
+    unsupported_reason="written against megatron-core 0.17.1's and 0.19.2's distrib_optimizer.py (AReaL 1.0.4's "
+                       "and NeMo-RL's releases here).",
 )
