@@ -9,7 +9,7 @@ slime calls the hook on the host, with the whole rollout, in place of its defaul
 (``RolloutManager._convert_samples_to_train_data``). The hook:
 
 1. checks the configuration once per call and refuses, naming slime's flags, what cannot be exact
-   (:func:`config_problems`);
+   (:func:`config_problems`: the base args and each role's ``--megatron-config-path`` overrides);
 2. runs slime's own default conversion (the unbound method of ``RolloutManager``'s class, the one
    ``@ray.remote`` wraps: rewards post-processing, rollout ids, loss masks, every optional key);
 3. computes each step's token weights with the project's ``token_weights`` over slime's own step
@@ -18,7 +18,9 @@ slime calls the hook on the host, with the whole rollout, in place of its defaul
    and slime's loss mask as the numerator mask (the filtered-numerator rule);
 4. writes ``rollout_mask_sums[i] = W / (gbs * c_i)``
    (:mod:`megatron_pg_agg.integrations.slime_weights`), the per-sample denominator slime's
-   ``get_sum_of_sample_mean`` divides by in every term: the policy loss, entropy, KL, clip fraction.
+   ``get_sum_of_sample_mean`` divides by in every term: the policy loss, entropy, KL, clip fraction,
+   and with ``--advantage-estimator ppo`` the critic's value loss (slime trains its critic on the
+   same rollout data: ``J_v = sum_t c_t n_t v_t / W``, the value term in the policy's mode).
 
 Nothing else of slime changes: its micro-batching, DP/CP split, loss, schedule and optimizer are its
 own. Rejection sampling inside slime's loss (TIS/RS masks) keeps ``rollout_mask_sums`` as the
@@ -32,7 +34,7 @@ from typing import Optional
 from .slime_weights import SlimeConfigError, SlimeObjective, step_denominators
 
 __all__ = ["SlimeConfigError", "SlimeObjective", "config_problems", "convert_samples_to_train_data",
-           "objective_from_args", "slime_steps"]
+           "objective_from_args", "role_args", "slime_steps"]
 
 MODE_KEY = "pg_agg_mode"
 """The key of slime's ``--custom-config-path`` YAML (set on slime's args) naming the mode."""
@@ -50,20 +52,60 @@ def objective_from_args(args) -> SlimeObjective:
     return SlimeObjective(str(mode), None if divisor is None else float(divisor))
 
 
-def config_problems(args) -> list:
-    """Every reason slime's ``args`` cannot train the plug-in's objective exactly, naming the flags."""
+def _flag_problems(args, role: str = "actor") -> list:
+    """The problems of one role's args: a critic's value loss reads only --calculate-per-token-loss
+    (its reducer is always get_sum_of_sample_mean), the actor's policy loss both flags."""
     problems = []
     if getattr(args, "calculate_per_token_loss", False):
         problems.append("--calculate-per-token-loss: slime then divides by its own token count "
                         "(sum of clamp_min(mask sum, 1)) and ignores rollout_mask_sums; drop the flag (every mode, "
                         "token_mean included, comes from the plug-in)")
-    if getattr(args, "custom_pg_loss_reducer_function_path", None):
+    if role == "actor" and getattr(args, "custom_pg_loss_reducer_function_path", None):
         problems.append(f"--custom-pg-loss-reducer-function-path={args.custom_pg_loss_reducer_function_path}: "
                         "the reducer replaces get_sum_of_sample_mean for the policy loss and sees no per-sample "
                         "denominators, so the policy term would not follow the plug-in's weights; drop the flag")
+    return problems
+
+
+def _roles(args) -> list:
+    """The training roles slime starts: the actor, and the critic with ``--advantage-estimator ppo``."""
+    return ["actor", "critic"] if getattr(args, "use_critic", False) else ["actor"]
+
+
+_ROLE_ARGS: dict = {}
+"""``(id(args), path, role) -> (args, role args)``: the hook runs every rollout; slime parses (and logs)
+the roles once, at start-up."""
+
+
+def role_args(args, role: str):
+    """The args slime gives ``role``'s Megatron process: slime's own ``parse_megatron_role_args`` over
+    ``--megatron-config-path`` (``create_actor_model`` / ``create_training_models``), else the base args."""
+    path = getattr(args, "megatron_config_path", None)
+    if not path:
+        return args
+    key = (id(args), path, role)
+    if key not in _ROLE_ARGS or _ROLE_ARGS[key][0] is not args:
+        from slime.utils.arguments import parse_megatron_role_args  # noqa: PLC0415
+
+        _ROLE_ARGS[key] = (args, parse_megatron_role_args(args, path, role=role))
+    return _ROLE_ARGS[key][1]
+
+
+def config_problems(args) -> list:
+    """Every reason slime's ``args`` cannot train the plug-in's objective exactly, naming the flags:
+    the base args (what the rollout manager, its step grouping and this hook see) and, with
+    ``--megatron-config-path``, each role's overrides (the actor's, and the critic's under
+    ``--advantage-estimator ppo``: its value loss divides by the same ``rollout_mask_sums``)."""
+    problems = _flag_problems(args)
     gbs = getattr(args, "global_batch_size", None)
     if not isinstance(gbs, int) or gbs < 1:
         problems.append(f"--global-batch-size={gbs!r}: the plug-in needs slime's step size in rollouts")
+    path = getattr(args, "megatron_config_path", None)
+    if path:
+        for role in _roles(args):
+            problems += [f"--megatron-config-path {path} ({role} overrides): {problem}"
+                         for problem in _flag_problems(role_args(args, role), role)
+                         if problem not in problems]
     return problems
 
 

@@ -4,19 +4,22 @@ megatron-core 0.16.1's schedule, CPU, gloo: one torchrun launch per world size (
 
 tests/distributed/workers/slime_worker.py runs, per case, slime's rollout manager conversion (its
 dispatch to the plug-in's hook by the flag's dotted path), its ``_split_train_data_by_dp``
-(``build_dp_schedule``), ``process_rollout_data``, ``compute_advantages_and_returns``, and its
+(``build_dp_schedule``), the train actor's ``_get_rollout_data``, ``compute_advantages_and_returns``, and its
 ``train()`` (``get_batch``, ``loss_function`` / ``get_sum_of_sample_mean``, megatron-core's
 ``forward_backward_func``, DDP, ``finalize_model_grads``) on slime's own parsed args; the reference is
-the same model in float64 with the README's formulas written out in the worker.
+the same model in float64 with the README's formulas written out in the worker. The same launches
+run slime's critic (``--advantage-estimator ppo``; tests/distributed/workers/slime_critic.py): its
+``train_critic`` (``forward_only(get_values)``, PPO GAE, ``value_loss_function``) on the hook's
+``rollout_mask_sums``, against a float64 reference of the value term in each mode.
 
 Stand-ins (named in the worker's docstring, where they are installed): inert modules for what
-slime imports but this path never calls (``httpx``, ``wandb``, ``requests``, ``urllib3``,
-``sglang``, ``sglang_router``, ``ray.util.scheduling_strategies``, ``torch_memory_saver``);
+slime imports but this path never calls (whole packages: ``httpx``, ``wandb``, ``requests``,
+``urllib3``, ``sglang``, ``sglang_router``, ``ray.util``, ``ray.actor``, ``torch_memory_saver``,
+``transformers``);
 ``ray.remote`` / ``ray.put`` / ``ray.get`` (one process holds both sides); a silent ``tqdm``; a CPU
 accelerator through slime's own ``set_accelerator``; the project's ``PerTokenLM`` as the model
 (CP without Transformer Engine's ring attention: each token's logits depend on that token only);
-an optimizer that records the reduced gradient instead of stepping; the actor's
-``_get_rollout_data`` restated (its module imports torch_memory_saver, transformers and sglang);
+an optimizer that records the reduced gradient (and steps by SGD for the critic);
 megatron-core on CPU through the project's ``cpu_gloo`` and ``megatron_lm_cpu`` patches.
 
 Skips without a slime checkout in ``MEGATRON_PG_AGG_SLIME`` (docs/slime.md) or a Megatron-LM one
@@ -145,6 +148,98 @@ def test_a_denominator_below_one_is_refused_naming_the_samples(results):
         for i in (0, 1, 2, 3, 5):
             assert f"sample {i} (Sample.index {i}, group_index {i // 3}) (step 0): D_i = 0.8333" in text, (layout, i)
         assert "sample 4 " not in text and "(step 1)" not in text, text  # inactive; step 1 has D_i = 1
+
+
+def _critic_worst(results, prefix: str, check) -> dict:
+    """{mode: [objective, gradient]} and {layout: [...]} worst errors over ``{prefix}{mode}-{split}``
+    critic cases, every step passed to ``check(layout, mode, split, step)`` first."""
+    per_mode, per_layout = {}, {}
+    for layout, cases in results.items():
+        for mode in MODES:
+            for split in SPLITS:
+                case = cases[f"{prefix}{mode}-{split}"]
+                assert len(case["steps"]) == 2, (layout, mode, split)
+                for step in case["steps"]:
+                    check(layout, mode, split, step)
+                    obj, grad = _errors(step)
+                    for key, worst in ((mode, per_mode), (layout, per_layout)):
+                        w = worst.setdefault(key, [0.0, 0.0])
+                        w[0], w[1] = max(w[0], obj), max(w[1], grad)
+    return {"mode": per_mode, "layout": per_layout}
+
+
+def test_the_critic_follows_every_mode_split_and_layout(results):
+    """slime's critic (--advantage-estimator ppo: its own train_critic, forward_only values, PPO GAE
+    returns, value_loss_function through get_sum_of_sample_mean) on the rollout_mask_sums the
+    plug-in's hook wrote: its value loss J_v = sum_t c_t n_t v_t / W, v_t = max((V-R)^2,
+    (clip(V, V_old +- 0.2) - R)^2) (slime's factor 1), equals the float64 reference in every mode
+    (constant L = 12), split and layout: J_v (slime's logged train/critic-value_loss) within 1e-6
+    of max(|J_v|, 0.01), the reduced gradient within 1e-5. Step 0 trains at V = V_old (no clip);
+    an SGD step in between puts step 1 partly in the clip. Catches the critic not reading the
+    hook's denominators (slime's default per-sample mean is 17% off here: the control below), a
+    value mode other than the policy's, and the value clip or the returns misread."""
+    def check(layout, mode, split, step):
+        obj, grad = _errors(step)
+        assert obj <= OBJECTIVE_TOL and grad <= GRAD_TOL, (layout, mode, split, step)
+        assert step["increment"] == GBS
+
+    worst = _critic_worst(results, "critic-", check)
+    for layout, cases in results.items():
+        for mode in MODES:
+            for split in SPLITS:
+                first, second = cases[f"critic-{mode}-{split}"]["steps"]
+                assert first["clipped"] == 0 and 0 < second["clipped"] < second["tokens"], (layout, mode, split)
+    for key in ("mode", "layout"):
+        print(f"slime critic worst per {key} (objective, gradient): " + "; ".join(
+            f"{k} {o:.1e} {g:.1e}" for k, (o, g) in worst[key].items()))
+
+
+def test_the_critics_micro_batch_splits_follow_the_flags(results):
+    """The critic's static splits are --micro-batch-size over the DP size, as the actor's."""
+    expected = {"dp1cp1": {"static1": [6, 6], "static3": [2, 2]}, "dp2cp1": {"static1": [3, 3], "static3": [1, 1]},
+                "dp1cp2": {"static1": [6, 6], "static3": [2, 2]}}
+    for layout, cases in results.items():
+        for split, counts in expected[layout].items():
+            assert cases[f"critic-token_mean-{split}"]["num_microbatches"] == counts, (layout, split)
+
+
+def test_control_slimes_stock_value_loss_is_seq_mean_over_gbs(results):
+    """slime's own value loss, the plug-in off (rollout_mask_sums = each sample's mask sum): exactly
+    seq_mean when every sample of the step is active; with an inactive one per step (sample 4
+    fully masked; sample 7 removed, which slime masks whole) J_v and its gradient are seq_mean's
+    times S/gbs = 5/6: slime divides by --global-batch-size, which counts every sample."""
+    moved = []
+    for layout, cases in results.items():
+        for split in SPLITS:
+            for step in cases[f"stock-critic-clean-{split}"]["steps"]:
+                obj, grad = _errors(step)
+                assert step["active"] == GBS and obj <= OBJECTIVE_TOL and grad <= GRAD_TOL, (layout, split, step)
+            for step in cases[f"stock-critic-{split}"]["steps"]:
+                factor = step["active"] / GBS
+                assert step["active"] == GBS - 1, step
+                assert abs(step["objective"] - factor * step["reference"]) <= 1e-6 * abs(step["reference"]), step
+                assert abs(step["grad_error"] - (1 - factor)) <= 1e-5, step
+                moved.append(1 - factor)
+    print(f"slime's stock value loss with one inactive sample per step: J_v and gradient off by {max(moved):.2%}")
+
+
+def test_a_critic_role_overriding_the_global_batch_size_stays_exact(results):
+    """--megatron-config-path giving the critic role global_batch_size 12: slime's loss divides by
+    the step size the rollout manager's schedule carries (base --global-batch-size 6), so the
+    override changes nothing the plug-in relies on (seq_mean, dynamic micro-batches)."""
+    for layout, cases in results.items():
+        for step in cases["critic-seq_mean-gbs-override"]["steps"]:
+            obj, grad = _errors(step)
+            assert obj <= OBJECTIVE_TOL and grad <= GRAD_TOL and step["increment"] == GBS, (layout, step)
+
+
+def test_a_critic_role_turning_per_token_loss_on_is_refused_naming_the_flags(results):
+    """--megatron-config-path giving the critic role calculate_per_token_loss: the hook refuses the
+    rollout before anything trains, naming the YAML, the role and slime's flag."""
+    for layout, cases in results.items():
+        text = cases["refused-critic-per-token-loss"]["refused"]
+        assert "--megatron-config-path" in text and "(critic overrides): --calculate-per-token-loss" in text, layout
+        assert "(actor overrides)" not in text, (layout, text)
 
 
 def test_the_skip_reason_names_the_variable_or_the_folder():

@@ -8,25 +8,29 @@ One world size per launch: 1 rank runs DP 1 x CP 1, 2 ranks run DP 2 x CP 1 then
 rollout: the rollout manager's ``_convert_samples_to_train_data`` (slime's, dispatching through
 ``load_function`` to the plug-in's hook named by the flag's dotted path), its
 ``_split_train_data_by_dp`` (``build_dp_schedule``: steps, micro-batches static or dynamic, DP
-ranks), then on every rank ``process_rollout_data``, ``compute_advantages_and_returns`` (GRPO),
+ranks), then on every rank the train actor's own ``_get_rollout_data`` (``process_rollout_data``,
+the CP slices of the rollout log-probs), ``compute_advantages_and_returns`` (GRPO),
 ``get_data_iterator`` and slime's ``train()`` (``train_one_step``: ``get_batch``, ``loss_function``,
 megatron-core's ``forward_backward_func``, DDP over DP x CP and ``finalize_model_grads``), all
 slime's and megatron-core 0.16.1's code, with slime's args from its own parser (Megatron-LM's
-``parse_args`` with slime's ``get_slime_extra_args_provider()``).
+``parse_args`` with slime's ``get_slime_extra_args_provider()``). The same launches run slime's
+critic cases (:mod:`tests.distributed.workers.slime_critic`: its ``train_critic`` on the hook's
+``rollout_mask_sums``).
 
 Stand-ins (CPU, no slime or megatron-core code replaced):
-* modules slime imports but this path never uses (sys.modules; every name in them is a class or
-  function that raises when called): ``httpx``, ``wandb``, ``requests``, ``urllib3``, ``sglang``,
-  ``sglang_router``, ``ray.util.scheduling_strategies``, ``torch_memory_saver``; ``ray`` itself
+* packages slime imports but this path never uses (a ``sys.meta_path`` finder makes each module of
+  them, submodules included, one whose every name is a class or function that raises when
+  called): ``httpx``, ``wandb``, ``requests``, ``urllib3``, ``sglang``, ``sglang_router``,
+  ``ray.util``, ``ray.actor``, ``torch_memory_saver``, ``transformers`` (so that slime's
+  ``backends/megatron_utils/actor.py`` imports: its ``MegatronTrainRayActor._get_rollout_data`` and
+  ``train_critic`` run on an object made without Ray's start-up); ``ray`` itself
   keeps ``remote`` (the decorated class is kept as ``__ray_actor_class__``, as Ray does), ``put``
   and ``get`` (the object itself: one process holds both sides); ``tqdm`` is a silent bar;
 * the model: the project's ``PerTokenLM`` (logits of a token depend on that token only), so that a
   CP shard computes what the whole sequence does without Transformer Engine's ring attention;
-* the optimizer: its ``step`` records the reduced gradient (DDP's ``main_grad``) instead of
-  stepping; the LR scheduler records ``step(increment=...)``;
-* the actor's ``_get_rollout_data`` (``actor.py``: its module imports torch_memory_saver,
-  transformers and sglang) is restated: slime's ``process_rollout_data``, then its
-  ``slice_log_prob_with_cp`` on the rollout log-probs;
+* the optimizer: its ``step`` records the reduced gradient (DDP's ``main_grad``) and the weights,
+  then steps by plain SGD at a given rate (0 for the actor cases: no step); the LR scheduler
+  records ``step(increment=...)``;
 * slime's accelerator: a CPU one, installed with slime's own ``set_accelerator``;
 * megatron-core on CPU: the project's ``cpu_gloo`` and ``megatron_lm_cpu`` patches.
 
@@ -48,6 +52,7 @@ OUT (rank 0, JSON): ``{"cases": {"<layout>/<case>": {"steps": [{"objective", "re
 """
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import json
 import os
@@ -160,17 +165,37 @@ def cpu_accelerator():
     return CpuAccelerator()
 
 
+INERT = ("httpx", "wandb", "requests", "urllib3", "sglang", "sglang_router", "ray.util", "ray.actor",
+         "torch_memory_saver", "transformers")
+"""Packages slime imports but this path never calls: each, with every submodule, an inert module."""
+
+
+class _InertFinder:
+    """``sys.meta_path`` finder: any module of :data:`INERT` (submodules included) is an inert one."""
+
+    @staticmethod
+    def find_spec(name, _path=None, _target=None):
+        if any(name == root or name.startswith(root + ".") for root in INERT):
+            return importlib.machinery.ModuleSpec(name, _InertFinder, is_package=True)
+        return None
+
+    @staticmethod
+    def create_module(spec):
+        return _inert_module(spec.name)
+
+    @staticmethod
+    def exec_module(_module):
+        pass
+
+
 def install_stand_ins() -> None:
-    for name in ("httpx", "wandb", "requests", "urllib3", "urllib3.exceptions", "sglang", "sglang.srt",
-                 "sglang.srt.constants", "sglang.srt.server_args", "sglang.srt.utils", "sglang_router",
-                 "sglang_router.launch_router", "ray.util", "ray.util.scheduling_strategies", "torch_memory_saver"):
-        sys.modules.setdefault(name, _inert_module(name))
+    sys.meta_path.insert(0, _InertFinder)
     ray = _inert_module("ray")
     ray.remote = lambda target=None, **_k: _ActorClass(target) if isinstance(target, type) else target
     ray.put = lambda value, **_k: value
     ray.get = lambda value, **_k: value
-    ray.util = sys.modules["ray.util"]
     sys.modules["ray"] = ray
+    importlib.import_module("ray.util")  # the finder's inert one, set as the stand-in's attribute
     tqdm = _inert_module("tqdm")
     tqdm.tqdm = _Bar
     sys.modules["tqdm"] = tqdm
@@ -200,14 +225,14 @@ def slime_args(extra: dict):
     return args
 
 
-def make_samples(model, remove: bool = True, inactive: bool = True):
+def make_samples(model, remove: bool = True, inactive: bool = True, prompt_lengths=PROMPT_LENGTHS):
     """slime Samples of the whole rollout (every rank the same)."""
     import torch
     from slime.utils.types import Sample
 
     g = torch.Generator().manual_seed(7)
     samples = []
-    for group, (prompt_len, lengths, rewards) in enumerate(zip(PROMPT_LENGTHS, RESPONSE_LENGTHS, REWARDS)):
+    for group, (prompt_len, lengths, rewards) in enumerate(zip(prompt_lengths, RESPONSE_LENGTHS, REWARDS)):
         prompt = torch.randint(1, VOCAB, (prompt_len,), generator=g)
         for length, reward in zip(lengths, rewards):
             response = torch.randint(1, VOCAB, (length,), generator=g)
@@ -229,10 +254,13 @@ def make_samples(model, remove: bool = True, inactive: bool = True):
 
 
 class Capture:
-    """The optimizer and LR scheduler stand-ins: ``step`` records the reduced gradient."""
+    """The optimizer and LR scheduler stand-ins: ``step`` records the reduced gradient and the weights
+    the step's forward ran on, then moves the weights by plain SGD with rate ``lr`` (0, the actor
+    cases: they stay)."""
 
-    def __init__(self, ddp_model):
-        self.model, self.grads, self.increments, self.param_groups = ddp_model, [], [], []
+    def __init__(self, ddp_model, lr: float = 0.0):
+        self.model, self.lr = ddp_model, lr
+        self.grads, self.weights, self.increments, self.param_groups = [], [], [], []
 
     def scale_loss(self, loss):
         return loss
@@ -246,73 +274,131 @@ class Capture:
             return
         import torch
 
-        names = sorted(n for n, _ in self.model.module.named_parameters())
-        params = dict(self.model.module.named_parameters())
-        self.grads.append(torch.cat([params[n].main_grad.reshape(-1).double() for n in names]))
+        params = dict(sorted(self.model.module.named_parameters()))
+        self.grads.append(torch.cat([p.main_grad.reshape(-1).double() for p in params.values()]))
+        self.weights.append({n: p.detach().double().clone() for n, p in params.items()})
+        if self.lr:
+            with torch.no_grad():
+                for p in params.values():
+                    p.sub_(self.lr * p.main_grad)
         return True, 0.0, 0
 
     def get_lr(self, _group):
         return 0.0
 
 
-def run_case(args, samples, model_state, cp: int):
-    """slime's path for one rollout: ``(objectives per step, gradients, increments, num_microbatches)``."""
+def convert_and_split(args, samples, cp: int) -> list:
+    """The rollout manager's side: slime's ``_convert_samples_to_train_data`` (dispatching to the hook
+    named by ``--custom-convert-samples-to-train-data-path``) and ``_split_train_data_by_dp``."""
     import copy
 
-    import torch
     from megatron.core import parallel_state as mpu
-    from megatron.training.global_vars import set_args
-    from slime.backends.megatron_utils import model as slime_model
-    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
-    from slime.backends.megatron_utils.data import get_data_iterator
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
-    from slime.observability import logging_utils
-    from slime.utils.data import process_rollout_data
     from slime.utils.misc import load_function
 
     from megatron_pg_agg.integrations.slime_plugin import _manager_class
-    from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
-    from megatron_pg_agg.parity.models import PerTokenLM, tiny_transformer_config
 
-    set_args(args)
     manager = object.__new__(_manager_class())  # slime's RolloutManager without Ray's actor start-up
     manager.args = args
     manager.custom_reward_post_process_func = None
     manager.custom_convert_samples_to_train_data_func = (
         load_function(args.custom_convert_samples_to_train_data_path)
         if args.custom_convert_samples_to_train_data_path else None)
-    dp = mpu.get_data_parallel_world_size()
-    manager.train_parallel_config = {"dp_size": dp, "cp_size": cp, "vpp_size": 1,
+    manager.train_parallel_config = {"dp_size": mpu.get_data_parallel_world_size(), "cp_size": cp, "vpp_size": 1,
                                      "microbatch_group_size_per_vp_stage": 1}
     data = manager._convert_samples_to_train_data(copy.deepcopy(samples))
-    refs = manager._split_train_data_by_dp(data)
+    return manager._split_train_data_by_dp(data)
 
-    rollout_data = process_rollout_data(args, refs, mpu.get_data_parallel_rank(), dp)  # the actor's start
-    rollout_data["rollout_log_probs"] = [
-        torch.as_tensor(slice_log_prob_with_cp(lp, tl, rl), dtype=torch.float32)
-        for lp, tl, rl in zip(rollout_data["rollout_log_probs"], rollout_data["total_lengths"],
-                              rollout_data["response_lengths"])]
-    compute_advantages_and_returns(args, rollout_data)
 
-    config = tiny_transformer_config(context_parallel_size=cp,  # as Megatron-LM builds it from slime's args
-                                    calculate_per_token_loss=args.calculate_per_token_loss)
-    module = PerTokenLM(config, VOCAB)
-    module.load_state_dict(model_state)
-    (ddp,) = wrap_in_ddp([module], config, default_ddp_config())
-    capture = Capture(ddp)
+def train_actor_of(args, role: str, refs):
+    """slime's ``MegatronTrainRayActor`` for ``role`` on this rank without its Ray start-up (``args``
+    set as Megatron's global args, as the role's process has them) and its own
+    ``_get_rollout_data`` of ``refs`` (``process_rollout_data``, tensors to the device,
+    ``rollout_mask_sums`` as float32, the CP slices of the rollout log-probs)."""
+    from megatron.training.global_vars import set_args
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+
+    set_args(args)
+    actor = object.__new__(MegatronTrainRayActor)
+    actor.args, actor.role = args, role
+    return actor, MegatronTrainRayActor._get_rollout_data(actor, refs)
+
+
+def wrapped(module, state, lr: float = 0.0):
+    """``module`` with ``state`` in megatron-core DDP and its :class:`Capture` optimizer."""
+    from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
+
+    module.load_state_dict(state)
+    (ddp,) = wrap_in_ddp([module], module.config, default_ddp_config())
+    return ddp, Capture(ddp, lr)
+
+
+def config_of(args, cp: int):
+    """The model config as Megatron-LM builds it from slime's args."""
+    from megatron_pg_agg.parity.models import tiny_transformer_config
+
+    return tiny_transformer_config(context_parallel_size=cp, calculate_per_token_loss=args.calculate_per_token_loss)
+
+
+def logged_during(run) -> list:
+    """What slime's ``train()`` logs (``logging_utils.log``, one dict per step) while ``run()`` runs."""
+    from slime.observability import logging_utils
+
     logged = []
     original_log = logging_utils.log
     logging_utils.log = lambda _args, metrics, step_key: logged.append(dict(metrics))
     try:
-        slime_model.train(0, [ddp], capture, capture, get_data_iterator(rollout_data),
-                          rollout_data["num_microbatches"], rollout_data["global_batch_sizes"])
+        run()
     finally:
         logging_utils.log = original_log
+    return logged
+
+
+def run_case(args, samples, model_state, cp: int):
+    """slime's path for one rollout: ``(objectives per step, gradients, increments, num_microbatches)``."""
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+
+    from megatron_pg_agg.parity.models import PerTokenLM
+
+    refs = convert_and_split(args, samples, cp)
+    _, rollout_data = train_actor_of(args, "actor", refs)
+    compute_advantages_and_returns(args, rollout_data)
+    ddp, capture = wrapped(PerTokenLM(config_of(args, cp), VOCAB), model_state)
+    logged = logged_during(lambda: slime_model.train(
+        0, [ddp], capture, capture, get_data_iterator(rollout_data), rollout_data["num_microbatches"],
+        rollout_data["global_batch_sizes"]))
     return ([m["train/loss"] for m in logged], capture.grads, capture.increments,
             list(rollout_data["num_microbatches"]))
 
 
 # ---------------------------------------------------------------- the float64 reference
+def masks(sample, plugin: bool):
+    """float64 ``(denominator, numerator)`` masks of a sample: a removed sample leaves the numerator
+    only (``plugin``: the filtered-numerator rule), or both (slime's own conversion masks it whole)."""
+    import torch
+
+    den = torch.tensor(sample.loss_mask, dtype=torch.float64)
+    num = den * (0.0 if sample.remove_sample else 1.0)
+    return (num if sample.remove_sample and not plugin else den), num
+
+
+def mode_objective(samples, step, sums, sizes, mode, divisor):
+    """The README's J of one step from per-sample numerator sums ``N_i`` and denominators ``D_i``."""
+    active = [i for i in step if sizes[i] > 0]
+    if mode == "token_mean":
+        return sum(sums[i] for i in step) / sum(sizes[i] for i in step)
+    if mode == "seq_mean":
+        return sum(sums[i] / sizes[i] for i in active) / len(active)
+    if mode == "constant":
+        return sum(sums[i] for i in step) / (len(active) * divisor)
+    groups = {}
+    for i in step:
+        groups.setdefault(samples[i].group_index, []).append(i)
+    live = [m for m in groups.values() if sum(sizes[i] for i in m) > 0]
+    return sum(sum(sums[i] for i in m) / sum(sizes[i] for i in m) for m in live) / len(live)
+
+
 def reference_steps(samples, model_state, mode, divisor, plugin: bool):
     """Per step ``(J, flat gradient)`` in float64 (module docstring). ``plugin``: the removed
     sample stays in the denominator (the filtered-numerator rule); else slime's own masks."""
@@ -344,30 +430,55 @@ def reference_steps(samples, model_state, mode, divisor, plugin: bool):
             a = advantages[i]
             pg = torch.maximum(-ratio * a, -ratio.clamp(1 - EPS, 1 + EPS) * a)
             tok_loss[i] = pg - ENTROPY * entropy
-            den[i] = torch.tensor(s.loss_mask, dtype=torch.float64)
-            removed = s.remove_sample
-            num[i] = den[i] * (0.0 if removed else 1.0)
-            if removed and not plugin:
-                den[i] = num[i]
+            den[i], num[i] = masks(s, plugin)
         sums = {i: (tok_loss[i] * num[i]).sum() for i in step}
         sizes = {i: float(den[i].sum()) for i in step}
-        active = [i for i in step if sizes[i] > 0]
-        if mode == "token_mean":
-            j = sum(sums.values()) / sum(sizes.values())
-        elif mode == "seq_mean":
-            j = sum(sums[i] / sizes[i] for i in active) / len(active)
-        elif mode == "constant":
-            j = sum(sums.values()) / (len(active) * divisor)
-        else:
-            groups = {}
-            for i in step:
-                groups.setdefault(samples[i].group_index, []).append(i)
-            live = [m for m in groups.values() if sum(sizes[i] for i in m) > 0]
-            j = sum(sum(sums[i] for i in m) / sum(sizes[i] for i in m) for m in live) / len(live)
+        j = mode_objective(samples, step, sums, sizes, mode, divisor)
         j.backward()
         out.append((float(j), torch.cat([params[n].grad.reshape(-1) for n in names]),
                     int(sum(sizes.values())), sum(1 for i in step if sizes[i] == 0)))
     return out
+
+
+def actor_runs(samples, clean) -> list:
+    """``(name, extra, data, mode, divisor, plugin)`` of every actor case of a layout."""
+    runs = [(f"{mode}-{split}", dict(custom_convert_samples_to_train_data_path=PLUGIN_HOOK, pg_agg_mode=mode,
+                                     pg_agg_divisor=div, **kw), samples, mode, div, True)
+            for mode, div in MODES.items() for split, kw in SPLITS.items()]
+    for split, kw in SPLITS.items():  # controls: slime's stock token mean, without and with a fully masked sample
+        runs.append((f"stock-token_mean-clean-{split}", dict(calculate_per_token_loss=True, **kw), clean,
+                     "token_mean", None, False))
+        runs.append((f"stock-token_mean-{split}", dict(calculate_per_token_loss=True, **kw), samples,
+                     "token_mean", None, False))
+    # both sides of the clamp: constant's D_i = S*L/gbs is 5*12/6 = 10 above; with L = 1 it is 5/6 in step 0
+    runs.append(("refused-constant-L1", dict(custom_convert_samples_to_train_data_path=PLUGIN_HOOK,
+                                             pg_agg_mode="constant", pg_agg_divisor=1.0, **SPLITS["static1"]),
+                 samples, "constant", 1.0, True))
+    return runs
+
+
+def run_actor(run, state, cp: int, rank: int, refs: dict) -> dict:
+    """One actor case's result row (``refused``: the hook's message); ``refs`` caches the references."""
+    from megatron_pg_agg.integrations.slime_weights import SlimeConfigError
+
+    _name, extra, data, mode, div, plugin = run
+    args = slime_args(extra)
+    try:
+        objectives, grads, increments, num_mb = run_case(args, data, state, cp)
+    except SlimeConfigError as error:
+        return {"refused": str(error)}
+    key = (id(data), mode, div, plugin)
+    if key not in refs and rank == 0:
+        refs[key] = reference_steps(data, state, mode, div, plugin)
+    steps = []
+    for s, (obj, grad) in enumerate(zip(objectives, grads)):
+        row = {"objective": obj, "increment": increments[s]}
+        if rank == 0:
+            ref_j, ref_g, tokens, empty = refs[key][s]
+            row.update(reference=ref_j, grad_error=float((grad - ref_g).norm() / ref_g.norm()),
+                       valid_tokens=tokens, fully_masked=empty)
+        steps.append(row)
+    return {"steps": steps, "num_microbatches": num_mb}
 
 
 def main(out_path: str) -> None:
@@ -384,9 +495,10 @@ def main(out_path: str) -> None:
     accelerator.set_accelerator(cpu_accelerator())
     import torch.distributed as dist
 
-    from megatron_pg_agg.integrations.slime_weights import SlimeConfigError
     from megatron_pg_agg.megatron.parallel import ParallelSizes, init_distributed, init_parallel, shutdown_distributed
     from megatron_pg_agg.parity.models import PerTokenLM
+    sys.modules.setdefault("tests.distributed.workers.slime_worker", sys.modules[__name__])  # one copy
+    from tests.distributed.workers import slime_critic
 
     init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -398,48 +510,22 @@ def main(out_path: str) -> None:
     ref_model.load_state_dict(state)
     samples = make_samples(ref_model)
     clean = make_samples(ref_model, remove=False, inactive=False)
+    critic_state = slime_critic.initial_state()
+    critic_samples, critic_clean = slime_critic.samples(ref_model, make_samples)
     layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)]
-    cases = {}
+    cases, times = {}, {"import": t_import}
     for dp, cp in layouts:
         init_parallel(ParallelSizes(tp=1, pp=1, cp=cp))
-        runs = [(f"{mode}-{split}", dict(custom_convert_samples_to_train_data_path=PLUGIN_HOOK, pg_agg_mode=mode,
-                                         pg_agg_divisor=div, **kw), samples, mode, div, True)
-                for mode, div in MODES.items() for split, kw in SPLITS.items()]
-        for split, kw in SPLITS.items():  # controls: slime's stock token mean, without and with a fully masked sample
-            runs.append((f"stock-token_mean-clean-{split}", dict(calculate_per_token_loss=True, **kw), clean,
-                         "token_mean", None, False))
-            runs.append((f"stock-token_mean-{split}", dict(calculate_per_token_loss=True, **kw), samples,
-                         "token_mean", None, False))
-        # both sides of the clamp: constant's D_i = S*L/gbs is 5*12/6 = 10 above; with L = 1 it is 5/6 in step 0
-        runs.append(("refused-constant-L1", dict(custom_convert_samples_to_train_data_path=PLUGIN_HOOK,
-                                                 pg_agg_mode="constant", pg_agg_divisor=1.0, **SPLITS["static1"]),
-                     samples, "constant", 1.0, True))
-        refs = {}
-        for name, extra, data, mode, div, plugin in runs:
-            t = time.monotonic()
-            args = slime_args(extra)
-            try:
-                objectives, grads, increments, num_mb = run_case(args, data, state, cp)
-            except SlimeConfigError as error:
-                cases[f"dp{dp}cp{cp}/{name}"] = {"refused": str(error)}
-                continue
-            key = (id(data), mode, div, plugin)
-            if key not in refs and rank == 0:
-                refs[key] = reference_steps(data, state, mode, div, plugin)
-            steps = []
-            for s, (obj, grad) in enumerate(zip(objectives, grads)):
-                row = {"objective": obj, "increment": increments[s]}
-                if rank == 0:
-                    ref_j, ref_g, tokens, empty = refs[key][s]
-                    row.update(reference=ref_j, grad_error=float((grad - ref_g).norm() / ref_g.norm()),
-                               valid_tokens=tokens, fully_masked=empty)
-                steps.append(row)
-            cases[f"dp{dp}cp{cp}/{name}"] = {"steps": steps, "num_microbatches": num_mb,
-                                             "seconds": time.monotonic() - t}
+        refs, t = {}, time.monotonic()
+        for run in actor_runs(samples, clean):
+            cases[f"dp{dp}cp{cp}/{run[0]}"] = run_actor(run, state, cp, rank, refs)
+        times[f"dp{dp}cp{cp}/actor"], t = time.monotonic() - t, time.monotonic()
+        for run in slime_critic.critic_runs(MODES, SPLITS, critic_samples, critic_clean):
+            cases[f"dp{dp}cp{cp}/{run[0]}"] = slime_critic.run_critic(run, critic_state, cp, rank)
+        times[f"dp{dp}cp{cp}/critic"] = time.monotonic() - t
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"world": world, "cases": cases,
-                       "times": {"import": t_import, "total": time.monotonic() - T0}}, f)
+            json.dump({"world": world, "cases": cases, "times": {**times, "total": time.monotonic() - T0}}, f)
     shutdown_distributed()
 
 
