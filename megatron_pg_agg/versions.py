@@ -58,12 +58,12 @@ class TestedRelease:
     checkout: str
     """That training side's folder in ``../shared/third_party``."""
     python: str
-    """``3.11`` (the default ``python3``) or ``3.12`` (pyenv's 3.12.1)."""
+    """``3.11`` (the default ``python3``), ``3.12`` (pyenv's 3.12.1) or ``3.13`` (pyenv's 3.13.0: NeMo-RL)."""
     torch: str
     """The torch release the leg installs (2.13.0: the CPU wheel; 2.14.1: a CUDA build that runs on CPU)."""
     suite: str
     """``full``: every test (the README's test command); ``unit+megatron-lm``: tests/unit plus the
-    Megatron-LM tests."""
+    Megatron-LM tests; ``nemo-rl``: the NeMo-RL plug-in's tests, in NeMo-RL's own stack."""
     megatron_bridge: str | None = None
     """The megatron-bridge release the leg also installs (``--no-deps``, then the ``bridge``
     extra) and whose tests must run there (--hf-model, --save-hf); None: not installed."""
@@ -78,6 +78,10 @@ class TestedRelease:
     """The slime checkout (a folder of ``../shared/third_party``: slime is not on the package index)
     the leg gives its plug-in tests as a user's checkout (tests/distributed/test_slime.py, through
     ``MEGATRON_PG_AGG_SLIME``), where they must run; None: they skip."""
+    nemo_rl: str | None = None
+    """The NeMo-RL checkout (a folder of ``../shared/third_party``: NeMo-RL is not on the package index)
+    the leg's NeMo-RL tests run against (through ``MEGATRON_PG_AGG_NEMO_RL``), in a venv of its own
+    (``.venv-nemo-rl``, Python 3.13: docs/nemo-rl.md); None: they skip."""
 
 
 TESTED: tuple[TestedRelease, ...] = (
@@ -88,27 +92,34 @@ TESTED: tuple[TestedRelease, ...] = (
     TestedRelease("0.18.2", "core_v0.18.2", "Megatron-LM-core_v0.18.2", "3.12", "2.14.1", "unit+megatron-lm"),
     TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.12", "2.14.1", "full",
                   megatron_bridge="0.6.2", verl="0.9.1"),
+    TestedRelease("0.19.2", "core_v0.19.0", "Megatron-LM-core_v0.19.0", "3.13", "2.14.1", "nemo-rl",
+                  nemo_rl="nemo-rl-7ea279a"),
 )
 """The CI legs, in the order .ci/run runs them (one venv per Python; only megatron-core changes).
 The leg with Megatron-Bridge and verl comes last on its venv: once installed they stay, and their
 imports (nvidia-modelopt and transformers, which Megatron-LM's training side and megatron-core
-import when present) cost every Megatron-LM process about 11 s more on 2 cores."""
+import when present) cost every Megatron-LM process about 11 s more on 2 cores. The NeMo-RL leg
+comes last: its Python 3.13 venv (NeMo-RL's stack, Megatron-Bridge 0.6.2 inside it) is built in the
+background while the first legs run."""
 
 
 SUITE_NAMES = {"full": "the whole suite",
-               "unit+megatron-lm": "unit suite + Megatron-LM layout tests"}
+               "unit+megatron-lm": "unit suite + Megatron-LM layout tests",
+               "nemo-rl": "the NeMo-RL plug-in's tests (Megatron-Bridge 0.6.2 inside NeMo-RL's stack)"}
 """The README table's words for each suite."""
 
 
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
-    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | slime | CI runs |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | slime | NeMo-RL "
+            "| CI runs |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for leg in TESTED:
         suite = SUITE_NAMES[leg.suite] + (" + the AReaL plug-in" if leg.areal else "")
         rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
                     f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {leg.areal or '-'} | "
-                    f"{leg.slime.removeprefix('slime-') if leg.slime else '-'} | {suite} |")
+                    f"{leg.slime.removeprefix('slime-') if leg.slime else '-'} | "
+                    f"{leg.nemo_rl.removeprefix('nemo-rl-') if leg.nemo_rl else '-'} | {suite} |")
     return "\n".join(rows)
 
 
@@ -196,11 +207,11 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
 
 
 def _ci_legs() -> str:
-    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl areal slime``
-    (``-`` for none)."""
+    """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl areal slime
+    nemo_rl`` (``-`` for none)."""
     return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
                                leg.suite, leg.megatron_bridge or "-", leg.verl or "-", leg.areal or "-",
-                               leg.slime or "-"))
+                               leg.slime or "-", leg.nemo_rl or "-"))
                      for leg in TESTED)
 
 

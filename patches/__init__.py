@@ -52,6 +52,12 @@ CPU stand-ins (patches/cpu: CPU-only, each refuses to apply where CUDA is availa
     AReaL's Megatron engine on CPU (tests): :func:`.cpu.areal_cpu.apply_areal_cpu_patches` applies
     ``cpu_gloo`` and the stand-ins ``areal_engine_cpu``, ``mbridge_pins``, ``mbridge_cpu``,
     ``areal_mbridge_dtype``, ``distrib_optimizer_cpu`` (docs/areal.md).
+    NeMo-RL's Megatron training path on CPU (tests): :func:`.cpu.nemo_rl_cpu.apply_nemo_rl_cpu_patches`
+    applies ``cpu_gloo``, ``bridge_cpu``, ``bridge_loop_cpu``, ``distrib_optimizer_cpu`` and the
+    stand-ins ``mcore_fsdp_adapter_names``, ``nemo_rl_cuda_iterator``, ``nemo_rl_global_batch_counts``,
+    ``nemo_rl_train_statistics``, ``nemo_rl_cp_allgather_backward``, ``nemo_rl_policy_worker_cuda``;
+    :mod:`.cpu.te_cp_thd_attention` is a core attention for its context parallelism without
+    Transformer Engine (docs/nemo-rl.md).
     :mod:`.cpu._cpu_torch`: the CPU proxies of ``torch`` these patches put in a module's namespace.
 
 Usage::

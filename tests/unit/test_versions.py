@@ -55,17 +55,22 @@ def test_ci_runs_the_legs_of_versions_py():
     lines = versions._ci_legs().splitlines()
     assert len(lines) == len(versions.TESTED) >= 5
     for line, leg in zip(lines, versions.TESTED):
-        core, tag, checkout, python, torch, suite, bridge, verl, areal, slime = line.split()
+        core, tag, checkout, python, torch, suite, bridge, verl, areal, slime, nemo_rl = line.split()
         assert bridge == (leg.megatron_bridge or "-") and verl == (leg.verl or "-") and areal == (leg.areal or "-")
-        assert slime == (leg.slime or "-")
+        assert slime == (leg.slime or "-") and nemo_rl == (leg.nemo_rl or "-")
         assert versions.in_range(core) and suite in versions.SUITE_NAMES
         assert tag.startswith("core_v" + ".".join(core.split(".")[:2]))
         assert checkout == leg.checkout
     assert {leg.megatron_core.rsplit(".", 1)[0] for leg in versions.TESTED} == {"0.15", "0.16", "0.17", "0.18", "0.19"}
-    # the README's whole suite runs first, on the default Python, and again on the newest release
+    # the README's whole suite runs first, on the default Python, and again on the newest release (the
+    # last leg of the whole suite; only the NeMo-RL leg, on NeMo-RL's own stack, may follow it)
     assert versions.TESTED[0].suite == "full" and versions.TESTED[0].python == "3.11"
-    newest = max(versions.TESTED, key=lambda leg: tuple(map(int, leg.megatron_core.split("."))))
-    assert newest.suite == "full" and newest is versions.TESTED[-1]
+    release = lambda leg: tuple(map(int, leg.megatron_core.split(".")))  # noqa: E731
+    full = [leg for leg in versions.TESTED if leg.suite == "full"]
+    assert release(full[-1]) == max(map(release, versions.TESTED))
+    after = versions.TESTED[versions.TESTED.index(full[-1]) + 1:]
+    assert all(leg.suite == "nemo-rl" and leg.nemo_rl for leg in after)
+    assert [leg.python for leg in versions.TESTED if leg.nemo_rl] == ["3.13"]
     # the Bridge tests run on the megatron-core 0.19 leg (megatron-bridge 0.6's release)
     bridged = [leg for leg in versions.TESTED if leg.megatron_bridge]
     assert [(leg.megatron_core[:5], leg.python, leg.suite) for leg in bridged] == [("0.19.", "3.12", "full")]

@@ -38,7 +38,7 @@ def test_core_and_data_import_without_megatron_core():
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = set(run.stdout.split())
     assert {"megatron_pg_agg.core.aggregation", "megatron_pg_agg.core.losses",
-            "megatron_pg_agg.core.rollout_correction", "megatron_pg_agg.data.planner",
+            "megatron_pg_agg.core.rollout_correction", "megatron_pg_agg.core.value", "megatron_pg_agg.data.planner",
             "megatron_pg_agg.data.rollout_files", "megatron_pg_agg.data.synthetic"} <= loaded
 
 
