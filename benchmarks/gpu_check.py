@@ -5,7 +5,8 @@
 1. No host sync on the per-microbatch loss path: ``aggregate``, ``weighted_sum`` and the whole
    Megatron ``pg_loss_func`` (vocab log-probs, entropy, PPO, KL, report) forward and backward on
    CUDA tensors under ``torch.cuda.set_sync_debug_mode("error")``, every mode, bf16 logits.
-2. bf16 losses: the token form in bf16 against the same computation in fp32.
+2. bf16 losses: the token form in bf16 against the same computation in fp32; the critic's value
+   term (``core.value.value_loss_sum``) with no host sync, bf16 against fp32, every mode.
 3. Aggregation of T tokens (default 8M) forward+backward against a bare masked sum
    ``where(mask, loss, 0).sum() / count``: CUDA-event times, ratio, and achieved bandwidth (bytes
    the kernels must move / time) against the card's (H200: about 4.8 TB/s).
@@ -98,6 +99,38 @@ def check_bf16(report: dict) -> None:
     report["bf16"] = out
 
 
+def check_value_term(report: dict) -> None:
+    """The critic's value term (``core.value.value_loss_sum``) on CUDA: forward and backward with no
+    host sync (sync debug mode ``error``), clipped, every value mode; bf16 values against the same
+    values in fp32."""
+    from megatron_pg_agg import token_weights
+    from megatron_pg_agg.core.value import ValueLossConfig, value_loss_sum
+
+    loss, num, den, cu, groups = _packed_step(1_000_000, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    old = torch.randn(loss.shape, device="cuda", generator=g)
+    returns = old + torch.randn(loss.shape, device="cuda", generator=g)
+    out = {}
+    for mode in MODES:
+        kw = {"divisor": 2048.0} if mode == "constant" else {}
+        group_kw = {"group_sizes": groups} if mode == "prompt_mean" else {}
+        weights = token_weights(num, mode=mode, cu_seqlens=cu, denominator_mask=den, **kw, **group_kw)
+        cfg = ValueLossConfig(mode, kw.get("divisor"), clip_eps=0.2)
+        values32 = old + 0.3 * torch.randn(loss.shape, device="cuda", generator=g)
+        values = values32.bfloat16().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            s16, c16, _ = value_loss_sum(values, old, returns, num, weights, cfg)
+            s16.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        s32, c32, _ = value_loss_sum(values32, old, returns, num, weights, cfg)
+        out[mode] = {"rel_err_bf16_vs_fp32": float((s16.detach() - s32).abs() / s32.abs().clamp_min(1e-30)),
+                     "counts_equal": bool(c16 == c32), "grad_finite": bool(torch.isfinite(values.grad).all())}
+    report["value_term"] = out
+
+
 def _cuda_time(fn, reps: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -150,6 +183,12 @@ def check_throughput(report: dict, tokens: int, bandwidth_gbs: float) -> None:
 
 
 def check_te_attention(report: dict) -> None:
+    import importlib.util
+
+    # megatron-core 0.19's extension module imports without Transformer Engine: look for TE itself
+    if importlib.util.find_spec("transformer_engine") is None:
+        report["te_attention"] = {"skipped": "Transformer Engine is not installed"}
+        return
     try:
         from megatron.core.transformer.custom_layers.transformer_engine import TEDotProductAttention  # noqa: F401
     except Exception:
@@ -224,7 +263,7 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     failed = []
     t0 = time.time()
-    for name, fn in (("no_host_sync", check_no_sync), ("bf16", check_bf16),
+    for name, fn in (("no_host_sync", check_no_sync), ("bf16", check_bf16), ("value_term", check_value_term),
                      ("throughput", lambda r: check_throughput(r, args.tokens, args.bandwidth_gbs)),
                      ("te_attention", check_te_attention),
                      *((("rl_step", lambda r: check_rl_step(r, args.megatron_lm)),) if args.megatron_lm else ())):
