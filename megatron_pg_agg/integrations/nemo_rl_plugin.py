@@ -150,7 +150,7 @@ class StepWeightedTrain:
 
     def __init__(self, policy):
         self.policy = policy
-        self.__wrapped__ = type(policy).train.__get__(policy)
+        self.__wrapped__ = policy.train  # the bound method (or whatever another layer put there)
         self.signature = inspect.signature(self.__wrapped__)
 
     def __call__(self, *args: Any, **kwargs: Any):
