@@ -27,7 +27,9 @@ Patches that can change a run (any device)
     collection seams (the RL entry's replayed rollouts and planner), ``fp32_output`` dropped
     where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran.
     ``verl_engine`` (:mod:`.verl_engine`), verl 0.9: the step weights on verl's mini-batch before its
-    micro-batch split, and the actor worker's loss set when ``loss_mode`` is ``pg_agg``
+    micro-batch split, the actor worker's loss set when ``loss_mode`` is ``pg_agg``, the critic
+    worker's loss (``TrainingWorker.set_loss_fn``) when ``critic.loss_agg_mode`` names one of the
+    project's modes, and the critic's mode settled at verl's start-up check (``validate_config``)
     (``megatron_pg_agg.integrations.verl_plugin``).
     ``areal_actor`` (:mod:`.areal_actor`), AReaL 1.0.x: the actor's optimizer steps cut along whole
     prompt groups for the plug-in's marked batches (``megatron_pg_agg.integrations.areal_plugin``

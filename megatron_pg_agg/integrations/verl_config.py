@@ -20,6 +20,12 @@ verl key (``actor_rollout_ref.actor.``)     ours
 ==========================================  =======================================================
 
 Every problem is found at start-up and reported at once, each naming its verl key.
+
+The critic (verl's ``critic`` node, its ``CriticConfig``): the value term's mode is
+``critic.loss_agg_mode``, by default the policy's (:func:`critic_for_run`, on the whole trainer
+config at verl's start-up check); the critic worker's loss from its own config
+(:func:`value_config_from_critic`): ``cliprange_value`` is the value clip, ``loss_scale_factor``
+L of constant. docs/verl.md, "The critic".
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_pg_agg.core.losses import POLICY_LOSSES, ROLLOUT_CORRECTIONS, PGLossConfig
 from megatron_pg_agg.core.modes import ALIASES, CONSTANT, MODES, REFUSED_ALIASES
+from megatron_pg_agg.core.value import ValueLossConfig
 
 LOSS_MODE = "pg_agg"
 """The value of ``actor.policy_loss.loss_mode`` that turns the plug-in on."""
@@ -209,3 +216,116 @@ def engine_problems(worker_config: Any) -> list:
     return [f"{ACTOR}.megatron.dynamic_context_parallel=True with {model}: verl passes a router padding mask, "
             "and megatron-core 0.16-0.19 then multiply the MoE aux-loss gradient by the TP x CP size "
             "(Megatron-LM #7452, finding 10; fix PR #7481). Set it to False (or train a dense model)"]
+
+
+# ------------------------------------------------------------------------------------------ the critic
+
+CRITIC = "critic"
+"""verl's critic node (its ``CriticConfig``): ``critic.loss_agg_mode`` is the value term's mode."""
+
+
+def _set(node: Any, key: str, value) -> None:
+    if isinstance(node, Mapping):
+        node[key] = value
+    else:
+        setattr(node, key, value)
+
+
+def _strategy_problem(critic: Any, agg: str) -> list:
+    strategy = _get(critic, "strategy", "megatron")
+    if strategy == "megatron":
+        return []
+    return [f"{CRITIC}.strategy={strategy!r}: the plug-in's critic ({CRITIC}.loss_agg_mode={agg!r}) runs in verl's "
+            "Megatron engine (strategy megatron); a verl loss_agg_mode keeps verl's critic"]
+
+
+def value_config_from_critic(critic: Any) -> Optional[ValueLossConfig]:
+    """The plug-in's value loss for verl's critic configuration (the ``CriticConfig`` verl's critic
+    worker receives in ``partial(value_loss, config=...)``, or the ``critic`` node): None when
+    ``critic.loss_agg_mode`` is a verl name (verl's own ``value_loss`` runs, unchanged), else the
+    :class:`ValueLossConfig` of that mode (one of ours) with verl's value loss: ``eps`` =
+    ``critic.cliprange_value``, factor 0.5, L of constant = ``critic.loss_scale_factor``. Raises
+    :class:`VerlConfigError` naming the ``critic.*`` keys."""
+    agg = _get(critic, "loss_agg_mode", VERL_DEFAULT_AGG)
+    if agg not in MODES:
+        return None
+    problems = []
+    divisor = _get(critic, "loss_scale_factor") if agg == CONSTANT else None
+    if agg == CONSTANT and divisor is None:
+        problems.append(f"{CRITIC}.loss_agg_mode='constant' needs L: set {CRITIC}.loss_scale_factor (for example the "
+                        "maximum response length)")
+    problems += _strategy_problem(critic, agg)
+    eps = _get(critic, "cliprange_value", 0.5)
+    if not problems:
+        try:
+            return ValueLossConfig(mode=agg, divisor=divisor, clip_eps=float(eps), factor=0.5)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{exc} (keys: {CRITIC}.loss_agg_mode, {CRITIC}.loss_scale_factor, "
+                            f"{CRITIC}.cliprange_value={eps!r})")
+    raise VerlConfigError("megatron_pg_agg's verl plug-in cannot run this critic:\n  - " + "\n  - ".join(problems))
+
+
+def _critic_mode(critic: Any, agg: str, problems: list) -> tuple[Optional[str], Optional[float]]:
+    """``(canonical mode, L)`` of a ``critic.loss_agg_mode`` read like the actor's (ours, or verl's
+    through the alias table) with the critic's ``loss_scale_factor``."""
+    if agg in REFUSED_ALIASES:
+        problems.append(f"{CRITIC}.loss_agg_mode={agg!r}: {REFUSED_ALIASES[agg].note}")
+        return None, None
+    mode = _canonical(agg)
+    if mode is None:
+        problems.append(f"{CRITIC}.loss_agg_mode={agg!r} is not a mode: use one of {list(MODES)} or a verl "
+                        f"loss_agg_mode ({[k for k, a in ALIASES.items() if a.source == 'verl']})")
+        return None, None
+    divisor = ALIASES[agg].divisor if agg in ALIASES else None
+    if mode == CONSTANT and divisor is None:
+        divisor = _get(critic, "loss_scale_factor")
+        if divisor is None:
+            problems.append(f"{CRITIC}.loss_agg_mode={agg!r} needs L: set {CRITIC}.loss_scale_factor (for example "
+                            "the maximum response length); verl's fallback, the padded width of each micro-batch, "
+                            "changes with the micro-batch split and is not used")
+    return mode, divisor
+
+
+def critic_for_run(config: Any, use_critic: bool) -> Optional[str]:
+    """The critic's mode for a verl run, settled at start-up on the whole trainer ``config`` (verl's
+    ``validate_config`` calls it through the engine patch; the critic worker sees only its own
+    ``CriticConfig``, so the mode travels in ``critic.loss_agg_mode``). Returns what it set (a line
+    for the log), or None when nothing changed.
+
+    * The actor on the plug-in (``actor.policy_loss.loss_mode=pg_agg``): the critic is on it too.
+      ``critic.loss_agg_mode`` equal to ``actor.loss_agg_mode`` (verl's default: it interpolates
+      it) means the policy's mode, ``pg_agg.mode`` included; any other value is read like the
+      actor's (ours, or verl's through the alias table, L from ``critic.loss_scale_factor``).
+      The canonical mode (and L for constant) is written into ``critic.loss_agg_mode``
+      (``critic.loss_scale_factor``).
+    * Otherwise the critic is on the plug-in only when ``critic.loss_agg_mode`` names one of ours.
+
+    Raises :class:`VerlConfigError` listing the problems, each naming its key."""
+    if not use_critic:
+        return None
+    worker = _get(config, "actor_rollout_ref")
+    actor, critic = _get(worker, "actor"), _get(config, CRITIC)
+    agg = _get(critic, "loss_agg_mode", VERL_DEFAULT_AGG)
+    if _get(_get(actor, "policy_loss"), "loss_mode") != LOSS_MODE:
+        value_config_from_critic(critic)  # ours: checked now; verl's: None, verl's critic
+        return None
+    problems = []
+    if agg == _get(actor, "loss_agg_mode", VERL_DEFAULT_AGG):
+        policy = loss_config_from_verl(actor, _get(worker, "pg_agg"))
+        mode, divisor = policy.mode, policy.divisor
+        why = f"the policy's mode ({ACTOR}.policy_loss.loss_mode={LOSS_MODE!r})"
+    else:
+        mode, divisor = _critic_mode(critic, agg, problems)
+        why = f"{CRITIC}.loss_agg_mode={agg!r}"
+    problems += _strategy_problem(critic, agg)
+    if problems:
+        raise VerlConfigError("megatron_pg_agg's verl plug-in cannot run this critic:\n  - " + "\n  - ".join(problems))
+    before = (agg, _get(critic, "loss_scale_factor"))
+    _set(critic, "loss_agg_mode", mode)
+    if mode == CONSTANT:
+        _set(critic, "loss_scale_factor", int(divisor) if float(divisor).is_integer() else float(divisor))
+    value_config_from_critic(critic)
+    if (mode, _get(critic, "loss_scale_factor")) == before:
+        return None  # already settled (verl's v0 trainer checks the config twice)
+    return (f"{CRITIC}.loss_agg_mode={mode}" + (f", {CRITIC}.loss_scale_factor={divisor:g}" if mode == CONSTANT else "")
+            + f": {why}, exact under megatron_pg_agg")

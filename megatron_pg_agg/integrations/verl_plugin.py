@@ -10,9 +10,15 @@ this package installs (verl's default ``VERL_USE_EXTERNAL_PLUGINS=auto``), or by
 * applies the ``verl_engine`` patch (:mod:`megatron_pg_agg.patches.verl_engine`): the actor
   worker checks the configuration at ``init_model`` (before building anything) and sets
   :class:`~megatron_pg_agg.integrations.verl_loss.VerlPGLoss` as its loss; the engine computes the
-  step weights on each mini-batch before splitting it.
+  step weights on each mini-batch before splitting it;
+* the critic: verl's start-up check settles the critic's mode on the whole config (by default the
+  policy's, when the actor is on the plug-in: :func:`~megatron_pg_agg.integrations.verl_config.
+  critic_for_run`), and the critic worker's ``set_loss_fn`` turns verl's ``value_loss`` into a
+  :class:`~megatron_pg_agg.integrations.verl_loss.VerlValueLoss` when ``critic.loss_agg_mode``
+  names one of the plug-in's modes (:func:`critic_loss`).
 
-With any other loss_mode nothing changes in verl. The configuration: docs/verl.md.
+With any other loss_mode and a verl ``critic.loss_agg_mode`` nothing changes in verl. The
+configuration: docs/verl.md.
 """
 from __future__ import annotations
 
@@ -50,6 +56,38 @@ def worker_loss(worker_config, role: str = "actor", distillation: bool = False):
         raise VerlConfigError("megatron_pg_agg's verl plug-in cannot run this configuration:\n  - "
                               + "\n  - ".join(engine))
     return VerlPGLoss(loss_config_from_verl(actor, _get(worker_config, "pg_agg")))
+
+
+def critic_loss(loss_fn, engine=None):
+    """The loss verl's critic worker (a ``TrainingWorker`` of ``engine``) trains with, given the one
+    verl sets on it: for verl's ``partial(value_loss, config=CriticConfig)`` whose
+    ``critic.loss_agg_mode`` names one of the plug-in's modes, a :class:`VerlValueLoss` of that mode
+    (:func:`~megatron_pg_agg.integrations.verl_config.value_config_from_critic`); anything else (verl's
+    names, the actor's losses) unchanged. Raises :class:`VerlConfigError` naming the ``critic.*``
+    keys, at the worker's ``set_loss_fn``, before any step."""
+    import functools  # noqa: PLC0415
+
+    from verl.workers.utils import losses  # noqa: PLC0415
+
+    from .verl_config import CRITIC, VerlConfigError, value_config_from_critic  # noqa: PLC0415
+    from .verl_loss import VerlValueLoss  # noqa: PLC0415
+
+    if not (isinstance(loss_fn, functools.partial) and loss_fn.func is losses.value_loss and not loss_fn.args):
+        return loss_fn
+    critic = loss_fn.keywords.get("config")
+    value_cfg = value_config_from_critic(critic)
+    if value_cfg is None:
+        return loss_fn
+    prefix = f"{CRITIC}.loss_agg_mode={value_cfg.mode!r} (the plug-in's critic)"
+    if _NOT_APPLIED is not None:
+        raise VerlConfigError(f"{prefix}, but the plug-in's engine patch is not applied: {_NOT_APPLIED}")
+    if engine is not None:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine  # noqa: PLC0415
+
+        if not isinstance(engine, MegatronEngine):
+            raise VerlConfigError(f"{prefix} runs in verl's Megatron engine ({CRITIC}.strategy=megatron); this "
+                                  f"critic's engine is {type(engine).__name__}")
+    return VerlValueLoss(value_cfg)
 
 
 def _unpatched_policy_loss(*args, **kwargs):

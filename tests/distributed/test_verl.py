@@ -6,7 +6,9 @@ tiny Qwen3 folder made by the project's command), and trains one mini-batch thro
 loss the plug-in sets on verl's actor worker. Expected values come from transformers' float64
 model of the same folder and ``megatron_pg_agg.parity.step_objective`` (the README's formulas,
 no package loss or aggregation code), never from the package's loss. See the worker's docstring
-(``tests/distributed/workers/verl_checks.py``) for the batch.
+(``tests/distributed/workers/verl_checks.py``) for the batch. The critic (issue 46) runs in the same
+launches: verl's engine with its value head, the loss verl's critic worker gets through the
+plug-in, against the value term's float64 reference.
 
 Python 3.12 with verl (the ``verl`` extra) only; elsewhere these tests skip with the reason, and
 fail instead under MEGATRON_PG_AGG_REQUIRE_VERL=1 (.ci/run's 0.19.2 leg).
@@ -103,3 +105,55 @@ def test_train_batch_steps_with_the_reference_gradient_norm(checks):
         assert step["grad_norm"] is not None, step
         assert abs(step["grad_norm"] - step["grad_norm_reference"]) <= GRAD_TOL * step["grad_norm_reference"], step
         assert step["weights_moved"] > 1e-4, step
+
+
+CRITIC_SPLITS = {("thd", "2"), ("thd", "1"), ("thd", "dynamic"), ("thd_per_token", "4")}
+
+
+def test_critic_every_mode_and_split_equals_the_float64_reference(checks):
+    """verl's critic engine (value head) with the loss verl's critic worker gets through the plug-in
+    (critic.loss_agg_mode = the mode): every mode, padded mbs 2, jagged mbs 1, verl's dynamic split
+    (what 0.9.1's critic runs whatever critic.use_dynamic_bsz says, verl #7462), per-token loss at
+    mbs 4; objective to 1e-6 of max(|J|, 0.01), whole gradient (value head included) to 1e-5,
+    with the clip active on some tokens and not others. A per-micro-batch or per-rank W^v, verl's
+    token count where the mode's W^v belongs, V taken at the response token instead of the one
+    before it, the clip around R, a missing 0.5 or dp scale: each moves J_v or its gradient far
+    beyond the tolerance (DP2 cuts a prompt group across the ranks)."""
+    cases = checks["critic"]
+    for mode in MODES:
+        mine = {(c["engine"], str(c["split"])) for c in cases if c["mode"] == mode}
+        assert mine == CRITIC_SPLITS, (mode, sorted(mine ^ CRITIC_SPLITS))
+    bad = [c for c in cases if not (c["objective_error"] <= OBJECTIVE_TOL and c["grad_rel_error"] <= GRAD_TOL)]
+    assert not bad, bad
+    assert all(0.05 < c["clip_fraction"] < 0.95 for c in cases), [c["clip_fraction"] for c in cases]
+    for mode in MODES:
+        mine = [c for c in cases if c["mode"] == mode]
+        worst_j, worst_grad = max(c["objective_error"] for c in mine), max(c["grad_rel_error"] for c in mine)
+        print(f"DP{checks['world']} critic {mode}: J_v {mine[0]['reference']:.8f}; max rel |J_v - J_ref| "
+              f"{worst_j:.1e}; max grad rel {worst_grad:.1e}")
+
+
+def test_critic_control_verl_token_mean_equals_ours_its_norm_mode_moves_with_the_split(checks):
+    """verl's own value_loss (plug-in off) on the same critic engine and batch: token-mean equals our
+    token_mean at every split (value and gradient); seq-mean-token-sum-norm without
+    loss_scale_factor divides by each micro-batch's longest response and moves with the split (the
+    plug-in refuses it without L), while our constant gives one value at every split."""
+    control = checks["critic_control"]
+    token = [c for c in control if c["verl_loss_agg_mode"] == "token-mean"]
+    assert {str(c["split"]) for c in token} == {"1", "4", "dynamic"}
+    for c in token:
+        assert abs(c["objective"] - c["reference"]) <= OBJECTIVE_TOL * max(abs(c["reference"]), 0.01), c
+        assert c["grad_rel_error"] <= GRAD_TOL, c
+    norm = {c["split"]: c["objective"] for c in control if c["verl_loss_agg_mode"] == "seq-mean-token-sum-norm"}
+    assert set(norm) == {1, 2, 4} and max(norm.values()) - min(norm.values()) > 1e-2, norm
+    ours = [c["objective"] for c in checks["critic"] if c["mode"] == "constant"]
+    assert max(ours) - min(ours) <= 2 * OBJECTIVE_TOL, ours
+    print(f"DP{checks['world']}: verl critic seq-mean-token-sum-norm at mbs 1/2/4: "
+          + " / ".join(f"{norm[m]:.4f}" for m in (1, 2, 4)) + f"; ours constant: {ours[0]:.6f} at every split")
+
+
+def test_critic_train_batch_steps_with_the_reference_gradient_norm(checks):
+    step = checks["critic_train_batch"]
+    assert step["grad_norm"] is not None, step
+    assert abs(step["grad_norm"] - step["grad_norm_reference"]) <= GRAD_TOL * step["grad_norm_reference"], step
+    assert step["weights_moved"] > 1e-4, step

@@ -20,6 +20,16 @@ mapping is linear: a gradient maps as its weight). Rank 0 writes one row per cas
 The control runs verl's own ``ppo_loss`` (``vanilla``) with ``seq-mean-token-sum-norm`` and
 ``token-mean``. Last, ``train_batch`` (zero_grad, forward-backward, verl's Megatron optimizer step)
 once per engine: its grad norm against the reference's, and the weights moved.
+
+The critic (issue 46): verl's engine with its value head (``model_type="value_model"``, the head at
+verl's random initialisation, the same on every DP rank), twice (without and with
+``calculate_per_token_loss``; one value head), on the same mini-batch with ``values`` (V_old) and
+``returns`` near the model's own values. The loss is the one verl's critic worker ends up with:
+verl's ``partial(value_loss, config=McoreCriticConfig(loss_agg_mode=<mode>))`` through the
+plug-in's ``TrainingWorker.set_loss_fn``. Every mode x four splits (padded mbs 2, jagged mbs 1,
+jagged dynamic; jagged mbs 4 with per-token loss) against :func:`value_reference` (float64, the
+formulas, the head's weight read from the engine); the control runs verl's own ``value_loss`` with
+``token-mean`` and ``seq-mean-token-sum-norm``; ``train_batch`` once.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ RESPONSE_LENGTHS = (7, 2, 5, 1, 6, 3, 7, 4, 5, 2, 6, 3, 7, 1, 4, 6)
 FULLY_MASKED, MASKED_TOKEN = 3, (1, 1)
 DIVISOR = 7.0
 CORRECTION_CAP = 1.2
+VALUE_CLIP = 0.2  # critic.cliprange_value
 
 
 def make_rows(hf_model, vocab: int):
@@ -108,7 +119,7 @@ def batch(rows, mine, *, jagged: bool, mbs: int, dynamic: bool, fields=()):
     per_token = {name: torch.zeros(B, R) for name in ("response_mask", "old_log_probs", "advantages", *fields)}
     source = {"response_mask": "loss_mask", "old_log_probs": "old_logprobs", "advantages": "advantages",
               "rollout_log_probs": "rollout_logprobs", "ref_log_prob": "ref_logprobs",
-              "rollout_is_weights": "is_weights"}
+              "rollout_is_weights": "is_weights", "values": "old_values", "returns": "returns"}
     for i, r in enumerate(sel):
         p, n = len(r.prompt_ids), len(r.response_ids)
         prompts[i, P - p:] = torch.tensor(r.prompt_ids)
@@ -177,6 +188,153 @@ def compare(grads: dict, ref: dict) -> tuple:
     return math.sqrt(num / den) if den else math.sqrt(num), math.sqrt(den)
 
 
+def head_weight(engine) -> torch.Tensor:
+    """verl's value head (``output_layer``, hidden -> 1) of a critic engine."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(engine.module))[0].output_layer.weight
+
+
+def model_values(hf_model, head: torch.Tensor, r) -> torch.Tensor:
+    """V at each response token of row ``r``: the value head on the final hidden state of the token
+    before it (verl's alignment, ``no_padding_2_padding``), float64."""
+    ids = list(r.prompt_ids) + list(r.response_ids)
+    hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0]
+    p, n = len(r.prompt_ids), len(r.response_ids)
+    return hidden[p - 1:p + n - 1] @ head.reshape(-1)
+
+
+def add_value_targets(rows, hf_model, head: torch.Tensor) -> None:
+    """V_old and R per response token, near the model's own V (the clip partly active), as float32
+    numbers (what the batch carries)."""
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for r in rows:
+            v = model_values(hf_model, head, r)
+            r.old_values = (v + 0.3 * torch.randn(len(v), generator=g, dtype=torch.float64)).float().double().tolist()
+            r.returns = (v + 0.5 * torch.randn(len(v), generator=g, dtype=torch.float64)).float().double().tolist()
+
+
+def value_reference(hf_model, head: torch.Tensor, rows, mode: str, divisor) -> tuple:
+    """J_v and its gradient from the formulas, float64: ``v = 0.5 max((V - R)^2, (clamp(V, V_old -
+    eps, V_old + eps) - R)^2)`` per response token, aggregated by tests/support/reference.py (the
+    README's contract written with loops, no package code). The value head's gradient is keyed as
+    Megatron-Bridge exports the critic's output layer (``lm_head.weight``, ``[1, hidden]``)."""
+    from tests.support.reference import reference_objective
+
+    hf_model.zero_grad(set_to_none=True)
+    head = head.detach().double().clone().requires_grad_(True)
+    losses, mask = [], []
+    for r in rows:
+        v = model_values(hf_model, head, r)
+        old, ret = torch.tensor(r.old_values, dtype=torch.float64), torch.tensor(r.returns, dtype=torch.float64)
+        clipped = torch.minimum(torch.maximum(v, old - VALUE_CLIP), old + VALUE_CLIP)
+        losses.append(0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2))
+        mask += [bool(m) for m in r.loss_mask]
+    mask = torch.tensor(mask)
+    objective, weight = reference_objective(torch.cat(losses), mask, mask, [len(r.response_ids) for r in rows],
+                                            list(GROUPS), mode, divisor)
+    objective.backward()
+    grads = {n: p.grad.detach().clone() for n, p in hf_model.named_parameters() if p.grad is not None}
+    grads["lm_head.weight"] = head.grad.reshape(1, -1)
+    return float(objective), weight, grads
+
+
+def critic_config(agg: str, **overrides):
+    """verl's own McoreCriticConfig (its __post_init__ checks run)."""
+    from verl.workers.config import McoreCriticConfig
+
+    return McoreCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=4, ppo_mini_batch_size=4, loss_agg_mode=agg,
+                             cliprange_value=VALUE_CLIP, **overrides)
+
+
+def critic_loss_through_the_worker(engine, agg: str, **overrides):
+    """The loss verl's critic worker ends up with: verl's ``partial(value_loss, config=CriticConfig)``
+    handed to its (patched) ``TrainingWorker.set_loss_fn``."""
+    from functools import partial
+
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import value_loss
+
+    worker = SimpleNamespace(engine=engine)
+    TrainingWorker.set_loss_fn(worker, partial(value_loss, config=critic_config(agg, **overrides)))
+    return worker.loss_fn
+
+
+CRITIC_SPLITS = (("thd", False, 2, False), ("thd", True, 1, False), ("thd", True, 1, True),
+                 ("thd_per_token", True, 4, False))
+"""(engine, jagged, micro-batch size, dynamic): three splits on verl's default critic engine
+(dynamic by tokens is what verl 0.9.1's critic runs whatever critic.use_dynamic_bsz says, #7462;
+here every split is set explicitly per call) and one with calculate_per_token_loss."""
+
+
+def critic_checks(hf_path, hf_model, rows, mine, run, objective_of) -> dict:
+    """verl's critic engine (``model_type="value_model"``) under the plug-in's critic loss in every
+    mode and split, against :func:`value_reference`; the control (verl's own value_loss, plug-in
+    off); verl's train_batch once."""
+    from tests.distributed.workers.verl_cpu import build_engine
+
+    world = torch.distributed.get_world_size()
+    engines = {"thd": build_engine(hf_path, per_token_loss=False, model_type="value_model"),
+               "thd_per_token": build_engine(hf_path, per_token_loss=True, model_type="value_model")}
+    head = head_weight(engines["thd"])
+    with torch.no_grad():  # one critic: the second engine gets the first one's (random) value head
+        head_weight(engines["thd_per_token"]).copy_(head)
+    gathered = [torch.zeros_like(head) for _ in range(world)]
+    torch.distributed.all_gather(gathered, head.detach().contiguous())
+    assert all(torch.equal(gathered[0], h) for h in gathered), "verl's value head differs across DP ranks"
+    add_value_targets(rows, hf_model, head.detach().double())
+    refs = {mode: value_reference(hf_model, head, rows, mode, DIVISOR if mode == "constant" else None)
+            for mode in ("token_mean", "seq_mean", "prompt_mean", "constant")}
+    fields = ("values", "returns")
+    cases, control = [], []
+    for mode, ref in refs.items():
+        overrides = {"loss_scale_factor": int(DIVISOR)} if mode == "constant" else {}
+        for engine_name, jagged, mbs, dynamic in CRITIC_SPLITS:
+            loss = critic_loss_through_the_worker(engines[engine_name], mode, **overrides)
+            assert type(loss).__name__ == "VerlValueLoss", type(loss)
+            out = run(engines[engine_name], batch(rows, mine, jagged=jagged, mbs=mbs, dynamic=dynamic, fields=fields),
+                      loss)
+            j = objective_of(out, "critic/vf_loss") / world  # the metric carries verl's x dp_size
+            rel, _ = compare(out["hf_grads"], ref[2])
+            cases.append({"case": f"critic {mode} {engine_name} {'jagged' if jagged else 'padded'} "
+                                  f"{'dynamic' if dynamic else f'mbs={mbs}'}", "mode": mode, "engine": engine_name,
+                          "split": "dynamic" if dynamic else mbs, "objective": j, "reference": ref[0],
+                          "objective_error": abs(j - ref[0]) / max(abs(ref[0]), 0.01), "grad_rel_error": rel,
+                          "clip_fraction": objective_of(out, "critic/vf_clipfrac") / world})
+    from functools import partial
+
+    from verl.workers.utils.losses import value_loss
+
+    for agg, splits in (("token-mean", ((True, 1, False), (True, 4, False), (True, 1, True))),
+                        ("seq-mean-token-sum-norm", ((True, 1, False), (True, 2, False), (True, 4, False)))):
+        for jagged, mbs, dynamic in splits:
+            out = run(engines["thd"], batch(rows, mine, jagged=jagged, mbs=mbs, dynamic=dynamic, fields=fields),
+                      partial(value_loss, config=critic_config(agg)))
+            row = {"verl_loss_agg_mode": agg, "split": "dynamic" if dynamic else mbs,
+                   "objective": objective_of(out, "critic/vf_loss") / world}
+            if agg == "token-mean":
+                row["grad_rel_error"] = compare(out["hf_grads"], refs["token_mean"][2])[0]
+                row["reference"] = refs["token_mean"][0]
+            control.append(row)
+    step = train_step(engines["thd"], critic_loss_through_the_worker(engines["thd"], "prompt_mean"),
+                      batch(rows, mine, jagged=True, mbs=2, dynamic=False, fields=fields), refs["prompt_mean"][2])
+    return {"critic": cases, "critic_control": control, "critic_train_batch": step}
+
+
+def train_step(engine, loss, td, ref_grads) -> dict:
+    """verl's train_batch (zero_grad, forward-backward, its Megatron optimizer step; clip_grad 0):
+    its grad norm against the reference's, and how far the weights moved."""
+    before = [p.detach().clone() for m in engine.module for p in m.parameters()]
+    with engine.train_mode():
+        out = engine.train_batch(td, loss)
+    after = [p.detach() for m in engine.module for p in m.parameters()]
+    grad_norm = out["metrics"].get("grad_norm") if out.get("metrics") else None
+    return {"grad_norm": None if grad_norm is None else float(grad_norm),
+            "grad_norm_reference": compare(ref_grads, ref_grads)[1],
+            "weights_moved": max(float((a - b).abs().max()) for a, b in zip(after, before))}
+
+
 def main() -> None:
     hf_path, out_path = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -234,7 +392,7 @@ def main() -> None:
         return float(total)
 
     def record(name, engine_name, out, key, ref, **extra):
-        j = objective_of(out, "actor/pg_agg_objective")
+        j = objective_of(out, "actor/pg_agg_objective") / world  # the metric carries verl's x dp_size
         rel, ref_norm = compare(out["hf_grads"], ref[2])
         results.append({"case": name, "engine": engine_name, "world": world, "objective": j, "reference": ref[0],
                         "objective_error": abs(j - ref[0]), "grad_rel_error": rel, "grad_norm_reference": ref_norm,
@@ -309,9 +467,11 @@ def main() -> None:
         steps.append({"engine": engine_name, "grad_norm": None if grad_norm is None else float(grad_norm),
                       "grad_norm_reference": compare({k: v for k, v in ref[2].items()}, ref[2])[1],
                       "weights_moved": moved})
+    critic = critic_checks(hf_path, hf_model, rows, mine, run, objective_of)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"world": world, "cases": results, "control": control, "train_batch": steps}, f, indent=1)
+            json.dump({"world": world, "cases": results, "control": control, "train_batch": steps, **critic}, f,
+                      indent=1)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -68,9 +68,12 @@ def setup_cpu() -> None:
     os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = "cuda", "nvidia"
 
 
-def build_engine(hf_path: str, *, per_token_loss: bool, remove_padding: bool = True):
+def build_engine(hf_path: str, *, per_token_loss: bool, remove_padding: bool = True,
+                 model_type: str = "language_model"):
     """verl's own ``EngineRegistry.new(...)`` + ``initialize()`` (Megatron-Bridge builds the model
-    from the HF folder and loads its weights; verl builds DDP, its optimizer and scheduler)."""
+    from the HF folder and loads its weights; verl builds DDP, its optimizer and scheduler).
+    ``model_type="value_model"``: verl's critic engine (``MegatronEngineWithValueHead``: the output
+    layer replaced by verl's value head, hidden -> 1, left at its random initialisation)."""
     from megatron.core.transformer.enums import AttnBackend
     from verl.workers.config import HFModelConfig, McoreCheckpointConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
@@ -81,13 +84,13 @@ def build_engine(hf_path: str, *, per_token_loss: bool, remove_padding: bool = T
     overrides = {"transformer_layer_spec": _layer_spec, "attention_backend": AttnBackend.auto,
                  **device_settings(False), "calculate_per_token_loss": per_token_loss}
     model_config = HFModelConfig(path=hf_path, use_remove_padding=remove_padding)
-    model_config.model_type = "language_model"
+    model_config.model_type = model_type
     engine_config = McoreEngineConfig(dtype="bfloat16", sequence_parallel=False, use_distributed_optimizer=False,
                                       override_transformer_config=overrides)
     object.__setattr__(engine_config, "dtype", "float32")  # after verl's bf16/fp16-only check (module docstring)
     engine_config.use_remove_padding = remove_padding
     optimizer = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, total_training_steps=10)
-    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=model_config,
+    engine = EngineRegistry.new(model_type=model_type, backend="megatron", model_config=model_config,
                                 engine_config=engine_config, optimizer_config=optimizer,
                                 checkpoint_config=McoreCheckpointConfig())
     engine.initialize()

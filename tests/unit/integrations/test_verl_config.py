@@ -165,11 +165,13 @@ import os, verl
 from hydra import compose, initialize_config_dir
 from megatron_pg_agg.patches import applied_patches
 from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.utils.config import omega_conf_to_dataclass
+import verl.utils.config
 from megatron_pg_agg.integrations.verl_plugin import worker_loss
 assert applied_patches() == ["verl_engine"], applied_patches()
-for fn in (MegatronEngine.forward_backward_batch, ActorRolloutRefWorker.init_model):
+for fn in (MegatronEngine.forward_backward_batch, ActorRolloutRefWorker.init_model, TrainingWorker.set_loss_fn,
+           verl.utils.config.validate_config):
     assert fn._megatron_pg_agg_patch == "verl_engine" and hasattr(fn, "__wrapped__")
 configs = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 with initialize_config_dir(config_dir=configs, version_base=None):
