@@ -31,9 +31,10 @@ Patches that can change a run (any device)
     worker's loss (``TrainingWorker.set_loss_fn``) when ``critic.loss_agg_mode`` names one of the
     project's modes, and the critic's mode settled at verl's start-up check (``validate_config``)
     (``megatron_pg_agg.integrations.verl_plugin``).
-    ``areal_actor`` (:mod:`.areal_actor`), AReaL 1.0.x: the actor's optimizer steps cut along whole
-    prompt groups for the plug-in's marked batches (``megatron_pg_agg.integrations.areal_plugin``
-    applies it).
+    ``areal_actor`` (:mod:`.areal_actor`), AReaL 1.0.x: the actor's and the critic's optimizer steps
+    cut along whole prompt groups for the plug-in's marked batches, and the critic's value head put in
+    place before megatron-core's DDP (AReaL 1.0.4 puts it after: outside the gradient buffers)
+    (``megatron_pg_agg.integrations.areal_plugin`` applies it).
     The machinery: :mod:`._machinery` (the :class:`Patch` mechanism), :mod:`._megatron_lm_release`
     (a Megatron-LM checkout's release), :mod:`._step_factor` (the per-step factors' shared pieces).
 

@@ -31,21 +31,45 @@ Prompt groups: AReaL's ``ppo_update`` receives one dict per prompt group (its gr
 workflow's record, ragged sizes allowed). :func:`tag_groups` marks every token with its group's
 index, and :func:`whole_group_minibatches` cuts the optimizer steps along groups.
 
+Distillation (AReaL's ``teacher_logp``, with ``rl_loss_weight`` and ``distill_loss_weight`` from its
+``teacher`` keys): a term of its own, AReaL's token mean over the step's valid tokens (the
+denominator mask ``d_t``, every DP rank) whatever the policy's mode, like the project's KL term:
+
+    J = rl_loss_weight * J_pg + distill_loss_weight * (1/D) sum_t d_t kd_t
+
+(``kd_t = logp_t - teacher_t``; with ``rl_loss_weight == 0``, AReaL's pure KD, J is the KD term alone,
+``kd_t = -exp(logp_t - old_t) * (teacher_t - sg(logp_t))``). ``grpo_loss_fn`` divides its KD term by the
+micro-batch's loss-mask count, which is exact (``sum_i (sum d kd / w_i) w_i / D``) only when that
+mask is the original one; the PG term needs the step's numerator there (M2PO). So the joint loss
+calls AReaL's ``grpo_loss_fn`` twice: the PG term on the scaled advantages and the numerator (its KD
+weight set to 0: AReaL's statistics, ``rkl_loss`` included, are logged as before), and the KD term
+on zero advantages (their PG term is exactly 0) and the original mask (its statistics discarded).
+The pure KD loss is AReaL's own call on the original mask.
+
+The critic (AReaL's ``PPOCritic._ppo_update``, the same ``train_batch`` and weight): AReaL's value
+loss has no input it is homogeneous in, so :func:`exact_value_loss_fn` returns its own micro-batch
+sum ``sum_t COEF_t v_t / w_i`` with ``v_t`` AReaL's clipped squared error (:func:`megatron_pg_agg.core.
+value.value_token_losses`, factor 0.5, AReaL's ``critic.eps_clip``) on AReaL's tensors; the engine's
+``sum_i L_i w_i / W_areal`` is then ``J_v = (1/W^v) sum_t c^v_t v_t`` in the value term's mode.
+
 Host tensors, once per optimizer step; per micro-batch only tensor arithmetic (no host sync added).
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_pg_agg.core.modes import PROMPT_MEAN
+from megatron_pg_agg.core.value import ValueLossConfig, value_token_losses
 
 from .step_weights import dp_step_weights, gather_over_dp
 
 __all__ = ["GROUP", "COEF", "NUMERATOR", "ArealBatchError", "tag_groups", "whole_group_minibatches", "take_rows",
-           "prepare_step", "step_m2po_numerator", "exact_loss_fn", "ResponseGroupBaseline"]
+           "prepare_step", "step_m2po_numerator", "exact_loss_fn", "exact_value_loss_fn", "value_clip_eps",
+           "ResponseGroupBaseline"]
 
 GROUP = "pg_agg_group"
 """int64 per token: the index of the row's prompt group in this rank's ``ppo_update`` list."""
@@ -66,10 +90,11 @@ def tag_groups(data: list) -> list:
     return [{**d, GROUP: torch.full_like(d["attention_mask"], i, dtype=torch.int64)} for i, d in enumerate(data)]
 
 
-def whole_group_minibatches(data: dict, n: int) -> list:
+def whole_group_minibatches(data: dict, n: int, key: str = "actor.ppo_n_minibatches") -> list:
     """Row indices of ``n`` optimizer steps that hold whole prompt groups, balanced by tokens
     (longest-processing-time first; ties by group order, so every rank cuts alike): AReaL's own
-    split is by sequence and spreads a group over several steps."""
+    split is by sequence and spreads a group over several steps. ``key``: AReaL's key that set
+    ``n`` (``critic.ppo_n_minibatches`` for the critic), named in the refusal."""
     groups = data[GROUP][:, 0].tolist()
     tokens = data["attention_mask"].sum(1).tolist()
     members: dict = {}
@@ -77,8 +102,8 @@ def whole_group_minibatches(data: dict, n: int) -> list:
         members.setdefault(group, []).append(row)
     if n > len(members):
         raise ArealBatchError(
-            f"actor.ppo_n_minibatches={n} optimizer steps cannot each hold whole prompt groups: this rank has "
-            f"{len(members)} group(s); lower actor.ppo_n_minibatches, or give each DP rank more prompts "
+            f"{key}={n} optimizer steps cannot each hold whole prompt groups: this rank has "
+            f"{len(members)} group(s); lower {key}, or give each DP rank more prompts "
             f"(train_dataset.batch_size)")
     totals = sorted(((-sum(tokens[r] for r in rows), order, group) for order, (group, rows) in
                      enumerate(members.items())))
@@ -123,10 +148,9 @@ def prepare_step(batch: dict, *, mode: str, divisor: Optional[float], m2_thresho
                  dp_group=None) -> dict:
     """One optimizer step's batch of this rank (padded, before ``train_batch`` splits it) with
     :data:`COEF` and :data:`NUMERATOR` added. Collective over ``dp_group``: every rank calls it for
-    the same step."""
-    if "teacher_logp" in batch:
-        raise ArealBatchError("the batch has 'teacher_logp' (AReaL's distillation term): its own token-mean "
-                              "denominator is not one of the plug-in's objectives; train without it")
+    the same step. The critic's steps too (``mode``/``divisor`` the value term's, no M2PO). AReaL's
+    distillation term (``teacher_logp``) needs nothing here: its token mean is over the original
+    mask, which the micro-batch weight already counts (:func:`exact_loss_fn`)."""
     mask = batch["loss_mask"].bool()
     rows, width = mask.shape
     numerator = mask
@@ -154,15 +178,77 @@ def prepare_step(batch: dict, *, mode: str, divisor: Optional[float], m2_thresho
 def exact_loss_fn(loss_fn: Callable) -> Callable:
     """AReaL's micro-batch loss (``functools.partial(grpo_loss_fn, ...)``) on the advantages
     scaled by ``k_t`` (module docstring), the step's numerator as its loss mask, and M2PO off (the
-    step chose it). AReaL's engine calls it only on a micro-batch whose weight ``w_i`` is not 0."""
+    step chose it); with AReaL's distillation term (``teacher_logp``) that term on its own, a token
+    mean over the original mask (module docstring). AReaL's engine calls it only on a micro-batch
+    whose weight ``w_i`` is not 0."""
 
     def loss(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dict, **kwargs: Any) -> torch.Tensor:
+        kwargs = {**kwargs, "m2_threshold": None}
+        distilled = input_data.get("teacher_logp") is not None
+        if distilled and float(input_data.get("rl_loss_weight", 1.0)) == 0:
+            # AReaL's pure KD discards the PG term: its own token mean over the original mask (w_i tokens)
+            return loss_fn(logprobs, entropy, input_data, **kwargs)
         weight = input_data["loss_mask"].bool().sum()  # w_i, as AReaL's loss_weight_fn counts it
         numerator = input_data[NUMERATOR].bool()
         count = numerator.sum().clamp(min=1)  # n_i, as ppo_actor_loss_fn divides by it
         k = input_data[COEF] * (count / weight)
         scaled = {**input_data, "advantages": input_data["advantages"] * k, "loss_mask": numerator}
-        return loss_fn(logprobs, entropy, scaled, **{**kwargs, "m2_threshold": None})
+        if not distilled:
+            return loss_fn(logprobs, entropy, scaled, **kwargs)
+        policy = loss_fn(logprobs, entropy, {**scaled, "distill_loss_weight": 0.0}, **kwargs)
+        with _statistics_discarded():  # AReaL's own KD term; its statistics were logged by the call above
+            distill = loss_fn(logprobs, entropy, {**input_data, "advantages": torch.zeros_like(
+                input_data["advantages"])}, **kwargs)
+        return policy + distill
+
+    loss.__wrapped__ = loss_fn
+    return loss
+
+
+@contextlib.contextmanager
+def _statistics_discarded():
+    """AReaL's module-level statistics calls (``areal.utils.stats_tracker.stat`` / ``denominator`` /
+    ``scalar``, looked up at each call) sent to a scratch tracker: a second loss call on the same
+    micro-batch would otherwise log every statistic twice (and misalign AReaL's denominator lists)."""
+    from areal.utils import stats_tracker  # noqa: PLC0415  (AReaL is optional)
+
+    scratch = stats_tracker.DistributedStatsTracker()
+    names = ("stat", "denominator", "scalar")
+    saved = {name: getattr(stats_tracker, name) for name in names}
+    for name in names:
+        setattr(stats_tracker, name, getattr(scratch, name))
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(stats_tracker, name, function)
+
+
+def value_clip_eps(loss_fn: Callable) -> float:
+    """AReaL's ``critic.eps_clip`` as its ``PPOCritic._ppo_update`` hands it to ``train_batch``
+    (``functools.partial(ppo_loss_fn, eps_clip=...)``); raises :class:`ArealBatchError` when the
+    loss is not that partial (an AReaL release that changed the call)."""
+    keywords = getattr(loss_fn, "keywords", None) or {}
+    if "eps_clip" not in keywords:
+        raise ArealBatchError("the critic's loss is not AReaL 1.0's functools.partial(ppo_loss_fn, eps_clip=...): "
+                              "the plug-in cannot read critic.eps_clip from it")
+    return float(keywords["eps_clip"])
+
+
+def exact_value_loss_fn(loss_fn: Callable, cfg: ValueLossConfig) -> Callable:
+    """The critic's micro-batch loss: ``sum_t COEF_t v_t / w_i`` over the step's numerator, ``v_t``
+    AReaL's clipped squared error (``cfg``: ``critic.eps_clip`` and AReaL's 0.5) on AReaL's tensors
+    (``values``: the value head's output, squeezed; ``input_data["values"]``: ``V_old``; ``returns``;
+    the rolled ``loss_mask``). AReaL's own loss runs first, without gradient, for its statistics."""
+
+    def loss(values: torch.Tensor, input_data: dict, **kwargs: Any) -> torch.Tensor:
+        with torch.no_grad():
+            loss_fn(values.detach(), input_data, **kwargs)  # AReaL's statistics of the micro-batch
+        values = values.squeeze(-1)
+        weight = input_data["loss_mask"].bool().sum()  # w_i, as AReaL's loss_weight_fn counts it
+        per_token, _ = value_token_losses(values, input_data["values"], input_data["returns"], cfg)
+        numerator = input_data[NUMERATOR].bool()
+        return torch.where(numerator, per_token * input_data[COEF], 0.0).sum() / weight
 
     loss.__wrapped__ = loss_fn
     return loss

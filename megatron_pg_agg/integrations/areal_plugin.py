@@ -1,4 +1,4 @@
-"""The AReaL plug-in: one line makes AReaL 1.0.4's Megatron actor train the chosen objective exactly.
+"""The AReaL plug-in: one line makes AReaL 1.0.4's Megatron actor (and critic) train the chosen objective exactly.
 
 In the training script, after AReaL's own ``load_expr_config``::
 
@@ -13,19 +13,23 @@ What it does, in AReaL's own terms (docs/areal.md):
 * checks ``config`` and refuses, naming the AReaL keys, what the objective cannot be exact under
   (:func:`config_problems`), before anything is built;
 * writes the mode to ``MEGATRON_PG_AGG_AREAL`` in this process and in every
-  ``config.actor.scheduling_spec[i].env_vars`` (AReaL's own way to reach its engine worker
-  processes and its launcher's trainer processes);
+  ``config.actor.scheduling_spec[i].env_vars`` (and ``config.critic``'s: AReaL's own way to reach its
+  engine worker processes and its launcher's trainer processes);
 * makes ``areal.engine.MegatronPPOActor`` this module's :class:`PGAggMegatronPPOActor`, the class
-  AReaL's trainer builds for the Megatron backend. In single-controller mode AReaL sends the class
-  to its workers by its import path, so the workers import this module and read the mode from
-  the environment; nothing else needs to run there.
+  AReaL's trainer builds for the Megatron backend, and, where ``config.critic`` is set,
+  ``areal.engine.MegatronPPOCritic`` its :class:`PGAggMegatronPPOCritic`. In single-controller mode
+  AReaL sends the classes to its workers by their import paths, so the workers import this module
+  and read the mode from the environment; nothing else needs to run there.
 
 The actor is AReaL's own, with two methods wrapped: ``ppo_update`` marks each token with its prompt
 group (AReaL hands one dict per group), so the ``areal_actor`` patch cuts the optimizer steps
 along whole groups; ``train_batch`` computes the step's token weights over every DP rank before
 AReaL's engine splits the step, and hands AReaL's own loss the scaled advantages
 (:mod:`megatron_pg_agg.integrations.areal_loss`). AReaL's weight function, micro-batching,
-schedule, optimizer and statistics are its own.
+schedule, optimizer and statistics are its own. The critic is AReaL's own too, with the same two
+methods wrapped: its steps hold whole groups, and ``train_batch`` weighs the value loss in the value
+term's mode (``value_mode``, by default the policy's) over every DP rank, AReaL's clipped squared
+error per token (:func:`~megatron_pg_agg.integrations.areal_loss.exact_value_loss_fn`).
 """
 from __future__ import annotations
 
@@ -34,11 +38,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_pg_agg.core.modes import CONSTANT, resolve_mode
+from megatron_pg_agg.core.value import ValueLossConfig
 
 ENV = "MEGATRON_PG_AGG_AREAL"
-"""The objective of the AReaL actor: ``<mode>`` or ``constant:<divisor>``, optionally followed by
-``;group_baseline=response_mean`` or ``;group_baseline=response_mean_std``."""
+"""The objective of the AReaL actor and critic: ``<mode>`` or ``constant:<divisor>``, optionally
+followed by ``;group_baseline=response_mean`` or ``;group_baseline=response_mean_std``, and by
+``;value_mode=<mode>`` or ``;value_mode=constant:<divisor>`` (the critic's own mode)."""
 GROUP_BASELINES = (None, "response_mean", "response_mean_std")
+OPTIONS = ("group_baseline", "value_mode")
+VALUE_FACTOR = 0.5
+"""AReaL's factor of the squared value error (its ``_mse_loss``: ``0.5 (x - y)^2``)."""
 
 
 class ArealConfigError(ValueError):
@@ -57,6 +66,10 @@ class ArealObjective:
     """None: AReaL's own ``actor.adv_norm``; ``response_mean`` (Dr. GRPO) or ``response_mean_std``
     (GRPO): the group baseline per response (:class:`~megatron_pg_agg.integrations.areal_loss.
     ResponseGroupBaseline`) in its place."""
+    value_mode: Optional[str] = None
+    """The critic's aggregation mode (aliases resolved); None: the policy's (``mode``)."""
+    value_divisor: Optional[float] = None
+    """constant's L for the critic; None for every other value mode (or with ``value_mode`` None)."""
 
     def __post_init__(self) -> None:
         mode, divisor = resolve_mode(self.mode, self.divisor)
@@ -64,22 +77,47 @@ class ArealObjective:
         object.__setattr__(self, "divisor", divisor)
         if self.group_baseline not in GROUP_BASELINES:
             raise ValueError(f"group_baseline={self.group_baseline!r}: one of {list(GROUP_BASELINES)}")
+        value = ValueLossConfig(self.value_mode, self.value_divisor)  # resolves and checks the value mode
+        object.__setattr__(self, "value_mode", value.mode)
+        object.__setattr__(self, "value_divisor", value.divisor)
+
+    def value_loss(self, clip_eps: Optional[float]) -> ValueLossConfig:
+        """The critic's value term: its mode (the policy's where ``value_mode`` is None), AReaL's
+        clip range ``critic.eps_clip`` and AReaL's factor 0.5."""
+        return ValueLossConfig(self.value_mode, self.value_divisor, clip_eps, VALUE_FACTOR).with_policy_mode(
+            self.mode, self.divisor)
 
     def encode(self) -> str:
-        text = f"{self.mode}:{self.divisor:g}" if self.mode == CONSTANT else self.mode
-        return text + (f";group_baseline={self.group_baseline}" if self.group_baseline else "")
+        text = _encode_mode(self.mode, self.divisor)
+        text += f";group_baseline={self.group_baseline}" if self.group_baseline else ""
+        return text + (f";value_mode={_encode_mode(self.value_mode, self.value_divisor)}" if self.value_mode else "")
 
     @staticmethod
     def decode(text: str) -> "ArealObjective":
-        objective, _, option = text.partition(";")
-        mode, _, divisor = objective.partition(":")
-        key, _, baseline = option.partition("=")
+        objective, *options = text.split(";")
         try:
-            if option and key.strip() != "group_baseline":
-                raise ValueError(f"unknown option {option!r} (group_baseline=...)")
-            return ArealObjective(mode.strip(), float(divisor) if divisor else None, baseline.strip() or None)
+            mode, divisor = _decode_mode(objective)
+            values = {}
+            for option in filter(str.strip, options):  # a trailing ';' names no option
+                key, _, value = option.partition("=")
+                if key.strip() not in OPTIONS:
+                    raise ValueError(f"unknown option {option!r} (group_baseline=... or value_mode=...)")
+                if key.strip() in values:
+                    raise ValueError(f"option {key.strip()!r} given twice")
+                values[key.strip()] = value.strip() or None
+            value_mode, value_divisor = _decode_mode(values["value_mode"]) if values.get("value_mode") else (None, None)
+            return ArealObjective(mode, divisor, values.get("group_baseline"), value_mode, value_divisor)
         except (TypeError, ValueError) as error:
             raise ArealConfigError(f"{ENV}={text!r}: {error}") from error
+
+
+def _encode_mode(mode: str, divisor: Optional[float]) -> str:
+    return f"{mode}:{divisor:g}" if mode == CONSTANT else mode
+
+
+def _decode_mode(text: str) -> tuple:
+    mode, _, divisor = text.partition(":")
+    return mode.strip(), float(divisor) if divisor else None
 
 
 def objective_from_env() -> ArealObjective:
@@ -114,20 +152,7 @@ def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step
     DP ranks, responses per prompt (``gconfig.n_samples``) and pipeline stages, where known (a rank
     needs at least one group per optimizer step, and each step enough sequences for its
     micro-batches)."""
-    problems = []
-    n_steps = int(getattr(actor_config, "ppo_n_minibatches", 1))
-    if n_steps < 1:
-        problems.append(f"actor.ppo_n_minibatches={n_steps} must be >= 1")
-    elif prompts_per_step is not None and dp_size:
-        per_rank = prompts_per_step // dp_size
-        if per_rank < n_steps:
-            problems.append(f"actor.ppo_n_minibatches={n_steps} optimizer steps of whole prompt groups need at least "
-                            f"{n_steps} groups per DP rank, but train_dataset.batch_size={prompts_per_step} over "
-                            f"{dp_size} DP rank(s) gives {per_rank}: lower actor.ppo_n_minibatches or raise "
-                            "train_dataset.batch_size")
-        elif samples_per_prompt:
-            problems.extend(_microbatch_problem(actor_config, n_steps, prompts_per_step, dp_size, per_rank,
-                                                samples_per_prompt, pp_size))
+    problems = _step_problems(actor_config, "actor", prompts_per_step, dp_size, samples_per_prompt, pp_size)
     if objective.group_baseline is not None:
         varying = [f"actor.{key}={getattr(actor_config, key)}" for key, constant in REWARD_KEYS_CONSTANT_IN_RESPONSE
                    if getattr(actor_config, key, constant) != constant]
@@ -145,44 +170,114 @@ def config_problems(actor_config, objective: ArealObjective, *, prompts_per_step
         problems.append("actor.m2_threshold with actor.prox_logp_method=loglinear: M2PO's selection would depend "
                         "on the current log-probs, so it cannot be made once per step; use recompute or metrics")
     if getattr(actor_config, "is_critic", False):
-        problems.append("the plug-in is for the actor (is_critic=True)")
+        problems.append("actor.is_critic=True: the actor is a language model (AReaL's critic is configured under "
+                        "critic, with critic.is_critic=true)")
     return problems
 
 
-def _microbatch_problem(actor_config, n_steps: int, prompts_per_step: int, dp_size: int, per_rank: int,
+def critic_config_problems(critic_config, objective: ArealObjective, *, prompts_per_step: Optional[int] = None,
+                           dp_size: Optional[int] = None, samples_per_prompt: Optional[int] = None,
+                           pp_size: int = 1, cp_size: int = 1) -> list:
+    """:func:`config_problems` for AReaL's critic (``PPOCriticConfig``, its ``critic`` keys):
+    the same step shape (its own ``critic.ppo_n_minibatches`` steps of whole groups, ``critic.mb_spec``),
+    and what the plug-in's critic cannot take. ``cp_size``: the context-parallel size of
+    ``critic.backend`` (AReaL 1.0.4's critic hands its loss a CP shard of the values beside whole
+    sequences: docs/areal.md)."""
+    problems = _step_problems(critic_config, "critic", prompts_per_step, dp_size, samples_per_prompt, pp_size)
+    if not getattr(critic_config, "is_critic", True):
+        problems.append("critic.is_critic=False: AReaL's critic needs its value head (critic.is_critic=true)")
+    eps = getattr(critic_config, "eps_clip", None)
+    if eps is not None and not eps > 0:
+        problems.append(f"critic.eps_clip={eps}: AReaL's value clip range must be positive")
+    if getattr(critic_config, "enable_tree_training", False):
+        problems.append("critic.enable_tree_training=True: AReaL 1.0.4's critic does not support tree training")
+    backend = getattr(critic_config, "backend", None)
+    if cp_size > 1:
+        problems.append(f"critic.backend={backend} has context parallelism ({cp_size}): AReaL 1.0.4's critic hands "
+                        "its loss this rank's CP shard of the values beside whole sequences of old values, returns "
+                        "and mask (its actor reassembles the shards, its critic does not); use a critic without cp")
+    if pp_size > 1:
+        problems.append(f"critic.backend={backend} has {pp_size} pipeline stages: AReaL 1.0.4 puts its value head on "
+                        "every stage (no output layer before the last: it raises); use a critic without pp")
+    if getattr(getattr(critic_config, "megatron", None), "bridge_type", "mbridge") != "mbridge":
+        problems.append(f"critic.megatron.bridge_type={critic_config.megatron.bridge_type}: AReaL 1.0.4 puts the "
+                        "value head in after megatron-core's DDP is built, outside its gradient buffers; the plug-in "
+                        "puts it in before DDP through mbridge (AReaL's default bridge_type=mbridge) only")
+    return problems
+
+
+def _step_problems(config, role: str, prompts_per_step: Optional[int], dp_size: Optional[int],
+                   samples_per_prompt: Optional[int], pp_size: int) -> list:
+    """The optimizer steps of whole prompt groups that ``role``'s (``actor`` or ``critic``)
+    ``ppo_n_minibatches`` and ``mb_spec`` ask for, against the groups a DP rank holds."""
+    n_steps = int(getattr(config, "ppo_n_minibatches", 1))
+    if n_steps < 1:
+        return [f"{role}.ppo_n_minibatches={n_steps} must be >= 1"]
+    if prompts_per_step is None or not dp_size:
+        return []
+    per_rank = prompts_per_step // dp_size
+    if per_rank < n_steps:
+        return [f"{role}.ppo_n_minibatches={n_steps} optimizer steps of whole prompt groups need at least "
+                f"{n_steps} groups per DP rank, but train_dataset.batch_size={prompts_per_step} over "
+                f"{dp_size} DP rank(s) gives {per_rank}: lower {role}.ppo_n_minibatches or raise "
+                "train_dataset.batch_size"]
+    if samples_per_prompt:
+        return _microbatch_problem(config, role, n_steps, prompts_per_step, dp_size, per_rank, samples_per_prompt,
+                                   pp_size)
+    return []
+
+
+def _microbatch_problem(config, role: str, n_steps: int, prompts_per_step: int, dp_size: int, per_rank: int,
                         samples_per_prompt: int, pp_size: int) -> list:
     """The micro-batch count no optimizer step can be cut into: ``per_rank`` groups of
     ``samples_per_prompt`` responses in ``n_steps`` steps of whole groups leave some step with at
     most ``per_rank // n_steps`` groups (pigeonhole), whatever the balancing."""
-    needed = min_microbatches(getattr(actor_config, "mb_spec", None), pp_size)
+    needed = min_microbatches(getattr(config, "mb_spec", None), pp_size)
     fewest = samples_per_prompt * (per_rank // n_steps)
     if fewest >= needed:
         return []
-    n_mbs = getattr(getattr(actor_config, "mb_spec", None), "n_mbs", None)
+    n_mbs = getattr(getattr(config, "mb_spec", None), "n_mbs", None)
     pipeline = f" (AReaL asks for at least 2 x {pp_size} pipeline stages)" if pp_size > 1 else ""
-    return [f"actor.mb_spec.n_mbs={n_mbs}{pipeline} needs {needed} sequences in every optimizer step of every DP "
+    return [f"{role}.mb_spec.n_mbs={n_mbs}{pipeline} needs {needed} sequences in every optimizer step of every DP "
             f"rank, but some step holds at most {fewest}: train_dataset.batch_size={prompts_per_step} over "
             f"{dp_size} DP rank(s) gives {per_rank} prompt group(s) of gconfig.n_samples={samples_per_prompt} per "
-            f"rank, cut into actor.ppo_n_minibatches={n_steps} optimizer steps of whole groups; lower "
-            "actor.mb_spec.n_mbs or actor.ppo_n_minibatches, or raise train_dataset.batch_size"]
+            f"rank, cut into {role}.ppo_n_minibatches={n_steps} optimizer steps of whole groups; lower "
+            f"{role}.mb_spec.n_mbs or {role}.ppo_n_minibatches, or raise train_dataset.batch_size"]
 
 
-def _parallel(config):
-    """The actor's parallel strategy from AReaL's own parser of ``actor.backend`` (e.g.
+def step_too_small(batch: dict, config, pp_size: int, role: str) -> Optional[str]:
+    """Why AReaL's micro-batch allocator would fail on this optimizer step of whole groups (fewer
+    sequences than the micro-batches ``role``'s ``mb_spec`` asks for), or None."""
+    needed = min_microbatches(config.mb_spec, pp_size)
+    rows = batch["attention_mask"].shape[0]
+    if rows >= needed:
+        return None
+    return (f"this optimizer step holds {rows} sequence(s) of whole prompt groups on this DP rank, fewer than the "
+            f"{needed} micro-batches {role}.mb_spec.n_mbs={config.mb_spec.n_mbs} asks for: lower {role}.mb_spec.n_mbs "
+            f"or {role}.ppo_n_minibatches, or raise train_dataset.batch_size or gconfig.n_samples")
+
+
+def _parallel(config, role: str = "actor"):
+    """``role``'s parallel strategy from AReaL's own parser of ``<role>.backend`` (e.g.
     ``megatron:d4p1t1``), or None."""
+    allocation = _allocation(getattr(config, role, None), role)
+    return None if allocation is None else allocation.parallel
+
+
+def _allocation(part, role: str):
     try:
         from areal.api.alloc_mode import ModelAllocation  # noqa: PLC0415
 
-        return ModelAllocation.from_str(config.actor.backend, name="actor").parallel
+        return ModelAllocation.from_str(part.backend, name=role)
     except Exception:  # noqa: BLE001  (no or an unparsable backend: checked per step instead)
         return None
 
 
 def _absolute_model_paths(config) -> None:
-    """``actor.path`` and ``ref.path`` made absolute where they name an existing folder relative to
-    the working directory: AReaL's Megatron engine hands the path to mbridge, which joins a relative
-    one onto itself again (``model/model/model.safetensors``)."""
-    for name in ("actor", "ref"):
+    """``actor.path``, ``critic.path`` and ``ref.path`` made absolute where they name an existing
+    folder relative to the working directory: AReaL's Megatron engine hands the path to mbridge,
+    which joins a relative one onto itself again (``model/model/model.safetensors``)."""
+    for name in ("actor", "critic", "ref"):
         part = getattr(config, name, None)
         path = getattr(part, "path", None)
         if isinstance(path, str) and path and not os.path.isabs(path) and os.path.isdir(path):
@@ -190,45 +285,76 @@ def _absolute_model_paths(config) -> None:
 
 
 def use_pg_agg(config, mode: Optional[str] = None, divisor: Optional[float] = None, *,
-               group_baseline: Optional[str] = None) -> ArealObjective:
+               group_baseline: Optional[str] = None, value_mode: Optional[str] = None,
+               value_divisor: Optional[float] = None) -> ArealObjective:
     """Turn the plug-in on for an AReaL run configured by ``config`` (AReaL's ``GRPOConfig`` /
     ``PPOConfig``, as ``load_expr_config`` returns it). ``mode`` None: the objective of
     ``MEGATRON_PG_AGG_AREAL`` (set on the launch, or in ``actor.scheduling_spec[i].env_vars`` of
-    AReaL's config). ``group_baseline``: see :attr:`ArealObjective.group_baseline`. Raises
+    AReaL's config). ``group_baseline``: see :attr:`ArealObjective.group_baseline`; ``value_mode``
+    (and constant's ``value_divisor``): the critic's own mode, by default the policy's. Raises
     :class:`ArealConfigError` naming every refused key; on success nothing else needs to change.
     Returns the objective."""
-    if mode is None:
-        if divisor is not None or group_baseline is not None:
-            raise ArealConfigError("use_pg_agg: divisor and group_baseline go with a mode (or all in "
-                                   f"{ENV}=<mode>[:<L>][;group_baseline=...])")
-        specs = [spec.env_vars.get(ENV) for spec in getattr(config.actor, "scheduling_spec", None) or ()]
-        text = os.environ.get(ENV) or next((t for t in specs if t), None)
-        if not text:
-            raise ArealConfigError(f"use_pg_agg(config) without a mode reads {ENV}, which is set neither in this "
-                                   "process nor in actor.scheduling_spec[*].env_vars")
-        objective = ArealObjective.decode(text)
-    else:
-        try:
-            objective = ArealObjective(mode, divisor, group_baseline)
-        except (TypeError, ValueError) as error:
-            raise ArealConfigError(str(error)) from error
-    dataset = getattr(config, "train_dataset", None)
-    parallel = _parallel(config)
-    problems = config_problems(config.actor, objective, prompts_per_step=getattr(dataset, "batch_size", None),
-                               dp_size=getattr(parallel, "dp_size", None),
-                               samples_per_prompt=getattr(getattr(config, "gconfig", None), "n_samples", None),
-                               pp_size=getattr(parallel, "pp_size", 1))
+    objective = _objective(config, mode, divisor, group_baseline, value_mode, value_divisor)
+    critic = getattr(config, "critic", None)
+    problems = _run_problems(config, objective)
     if problems:
         raise ArealConfigError("megatron_pg_agg refuses this AReaL configuration:\n- " + "\n- ".join(problems))
     _absolute_model_paths(config)
     encoded = objective.encode()
     os.environ[ENV] = encoded
-    for spec in getattr(config.actor, "scheduling_spec", None) or ():
-        spec.env_vars[ENV] = encoded
+    for part in (config.actor, critic):
+        for spec in getattr(part, "scheduling_spec", None) or ():
+            spec.env_vars[ENV] = encoded
     import areal.engine  # noqa: PLC0415
 
     areal.engine.MegatronPPOActor = actor_class()
+    if critic is not None:
+        areal.engine.MegatronPPOCritic = critic_class()
     return objective
+
+
+def _objective(config, mode, divisor, group_baseline, value_mode, value_divisor) -> ArealObjective:
+    if mode is None:
+        if divisor is not None or group_baseline is not None or value_mode is not None or value_divisor is not None:
+            raise ArealConfigError("use_pg_agg: divisor, group_baseline and value_mode go with a mode (or all in "
+                                   f"{ENV}=<mode>[:<L>][;group_baseline=...][;value_mode=<mode>[:<L>]])")
+        specs = [spec.env_vars.get(ENV) for spec in getattr(config.actor, "scheduling_spec", None) or ()]
+        text = os.environ.get(ENV) or next((t for t in specs if t), None)
+        if not text:
+            raise ArealConfigError(f"use_pg_agg(config) without a mode reads {ENV}, which is set neither in this "
+                                   "process nor in actor.scheduling_spec[*].env_vars")
+        return ArealObjective.decode(text)
+    try:
+        return ArealObjective(mode, divisor, group_baseline, value_mode, value_divisor)
+    except (TypeError, ValueError) as error:
+        raise ArealConfigError(str(error)) from error
+
+
+def _run_problems(config, objective: ArealObjective) -> list:
+    """:func:`config_problems` of ``config.actor`` and, where a critic is configured,
+    :func:`critic_config_problems` of ``config.critic``, with the run's step shape."""
+    dataset = getattr(config, "train_dataset", None)
+    shape = dict(prompts_per_step=getattr(dataset, "batch_size", None),
+                 samples_per_prompt=getattr(getattr(config, "gconfig", None), "n_samples", None))
+    parallel = _parallel(config)
+    problems = config_problems(config.actor, objective, dp_size=getattr(parallel, "dp_size", None),
+                               pp_size=getattr(parallel, "pp_size", 1), **shape)
+    critic = getattr(config, "critic", None)
+    if critic is None:
+        return problems
+    allocation = _allocation(critic, "critic")
+    if allocation is not None and allocation.backend != "megatron":
+        problems.append(f"critic.backend={critic.backend}: the plug-in serves AReaL's Megatron critic "
+                        "(MegatronPPOCritic); use critic.backend=megatron:...")
+    parallel = None if allocation is None else allocation.parallel
+    problems += critic_config_problems(critic, objective, dp_size=getattr(parallel, "dp_size", None),
+                                       pp_size=getattr(parallel, "pp_size", 1), cp_size=getattr(parallel, "cp_size", 1),
+                                       **shape)
+    if objective.group_baseline is not None:
+        problems.append(f"group_baseline={objective.group_baseline} takes one value per response, but with a critic "
+                        "(critic is set) AReaL's GAE advantages follow the critic's values along the response: "
+                        "drop group_baseline, or the critic")
+    return problems
 
 
 def actor_class():
@@ -291,13 +417,9 @@ def actor_class():
             if not (isinstance(input_, dict) and GROUP in input_):  # not one of the actor's PPO steps
                 return super().train_batch(input_, loss_fn, loss_weight_fn)
             objective = self.pg_agg_objective
-            needed = min_microbatches(self.config.mb_spec, self.parallel_strategy.pipeline_parallel_size)
-            if input_["attention_mask"].shape[0] < needed:  # before AReaL's allocator fails deep in the step
-                raise ArealBatchError(
-                    f"this optimizer step holds {input_['attention_mask'].shape[0]} sequence(s) of whole prompt "
-                    f"groups on this DP rank, fewer than the {needed} micro-batches actor.mb_spec.n_mbs="
-                    f"{self.config.mb_spec.n_mbs} asks for: lower actor.mb_spec.n_mbs or actor.ppo_n_minibatches, "
-                    "or raise train_dataset.batch_size or gconfig.n_samples")
+            problem = step_too_small(input_, self.config, self.parallel_strategy.pipeline_parallel_size, "actor")
+            if problem:  # before AReaL's allocator fails deep in the step
+                raise ArealBatchError(problem)
             batch = prepare_step(input_, mode=objective.mode, divisor=objective.divisor,
                                  m2_threshold=self.actor.m2_threshold, dp_group=mpu.get_data_parallel_group())
             return super().train_batch(batch, exact_loss_fn(loss_fn), loss_weight_fn)
@@ -308,8 +430,67 @@ def actor_class():
     return PGAggMegatronPPOActor
 
 
+def critic_class():
+    """:class:`PGAggMegatronPPOCritic`, built on first use (AReaL is an optional extra)."""
+    if "PGAggMegatronPPOCritic" in globals():
+        return globals()["PGAggMegatronPPOCritic"]
+    from areal.engine.megatron_engine import MegatronPPOCritic  # noqa: PLC0415
+    from megatron.core import parallel_state as mpu  # noqa: PLC0415
+
+    from megatron_pg_agg.patches import areal_actor  # noqa: PLC0415
+    from megatron_pg_agg.patches._machinery import apply as apply_patch  # noqa: PLC0415
+
+    from .areal_loss import (  # noqa: PLC0415
+        GROUP,
+        ArealBatchError,
+        exact_value_loss_fn,
+        prepare_step,
+        tag_groups,
+        value_clip_eps,
+    )
+
+    class PGAggMegatronPPOCritic(MegatronPPOCritic):
+        """AReaL's ``MegatronPPOCritic`` training the value term in megatron_pg_agg's objective
+        (module docstring): the mode of ``value_mode`` (default: the policy's) over the step of
+        every DP rank, AReaL's clipped squared error per token, steps of whole prompt groups."""
+
+        def __init__(self, config, *args, **kwargs):
+            self.pg_agg_objective = objective_from_env()
+            allocation = _allocation(config, "critic")
+            parallel = None if allocation is None else allocation.parallel
+            problems = critic_config_problems(config, self.pg_agg_objective, pp_size=getattr(parallel, "pp_size", 1),
+                                              cp_size=getattr(parallel, "cp_size", 1))
+            if problems:
+                raise ArealConfigError("megatron_pg_agg refuses this AReaL critic:\n- " + "\n- ".join(problems))
+            apply_patch(areal_actor.PATCH)
+            super().__init__(config, *args, **kwargs)
+
+        def ppo_update(self, data, *args, **kwargs):
+            if not isinstance(data, list):
+                raise ArealConfigError("the critic's ppo_update needs AReaL's per-group records (a list of dicts, "
+                                       f"one per prompt group); got {type(data).__name__}")
+            return super().ppo_update(tag_groups(data), *args, **kwargs)
+
+        def train_batch(self, input_, loss_fn, loss_weight_fn):
+            if not (isinstance(input_, dict) and GROUP in input_):  # not one of the critic's PPO steps
+                return super().train_batch(input_, loss_fn, loss_weight_fn)
+            problem = step_too_small(input_, self.config, self.parallel_strategy.pipeline_parallel_size, "critic")
+            if problem:  # before AReaL's allocator fails deep in the step
+                raise ArealBatchError(problem)
+            value = self.pg_agg_objective.value_loss(value_clip_eps(loss_fn))
+            batch = prepare_step(input_, mode=value.mode, divisor=value.divisor, dp_group=mpu.get_data_parallel_group())
+            return super().train_batch(batch, exact_value_loss_fn(loss_fn, value), loss_weight_fn)
+
+    PGAggMegatronPPOCritic.__module__ = __name__
+    PGAggMegatronPPOCritic.__qualname__ = "PGAggMegatronPPOCritic"
+    globals()["PGAggMegatronPPOCritic"] = PGAggMegatronPPOCritic
+    return PGAggMegatronPPOCritic
+
+
 def __getattr__(name: str):
-    # AReaL's single-controller workers import the actor class by this module's path
+    # AReaL's single-controller workers import the actor and critic classes by this module's path
     if name == "PGAggMegatronPPOActor":
         return actor_class()
+    if name == "PGAggMegatronPPOCritic":
+        return critic_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,11 @@ tests/distributed/workers/areal_checks.py builds the plug-in's actor through ARe
 initialisation (mbridge from a tiny Qwen3 made by tiny_hf, the distributed optimizer, float32) and
 runs AReaL's ``compute_advantages`` + ``ppo_update`` under every case; the reference is transformers'
 float64 model of the same folder with ``megatron_pg_agg.parity.step_objective`` (the README's
-formulas, no package loss or aggregation code) and autograd, per optimizer step. Needs AReaL's
+formulas, no package loss or aggregation code) and autograd, per optimizer step. The same launches
+then build the plug-in's critic (AReaL's ``MegatronPPOCritic``, its value head random) and run
+AReaL's ``compute_values`` + ``ppo_update`` under every case, against transformers' float64 trunk
+times the critic's value head with AReaL's clipped squared error and the mode's formula written in
+the worker; and the actor's cases with AReaL's distillation term (``teacher_logp``). Needs AReaL's
 stack (docs/areal.md: Python 3.12, its own venv); skips without it, fails in CI
 (MEGATRON_PG_AGG_REQUIRE_AREAL=1).
 """
@@ -163,3 +167,83 @@ def test_the_response_group_baseline_reaches_the_engine(results):
                 if baseline == "response_mean_std":
                     spread = math.sqrt(sum((m - centre) ** 2 for m in means) / (len(means) - 1))
                     assert abs(spread - 1) <= 1e-4, (dp, means)
+
+
+def test_the_critic_in_every_mode_split_and_step_count_equals_the_float64_reference(results):
+    """AReaL's critic through the plug-in: 4 modes x 3 micro-batch splits x critic.ppo_n_minibatches
+    1 and 2, at DP 1 and 2: each optimizer step's J_v within 1e-6 of max(|J_v|, 0.01) of the float64
+    reference (trunk and value head) and the whole gradient, value head included, within 1e-5; every
+    group in exactly one step; the value clip binding on some tokens and not all. Catches the value
+    loss weighted by AReaL's token count instead of c^v_t, W^v per micro-batch or per rank, the clip
+    not AReaL's, critic steps cutting groups (AReaL's own split), or the value head left out of DDP
+    (its gradient would not be reduced over DP)."""
+    worst = {}
+    for dp, result in results.items():
+        for mode in MODES:
+            for split in SPLITS:
+                for steps in (1, 2):
+                    name = f"critic-{mode}-{split}-steps{steps}"
+                    case = result["cases"][name]
+                    assert len(case["steps"]) == steps, (dp, name)
+                    assert sorted(g for s in case["steps"] for g in s["groups"]) == [0, 1, 2, 3], (dp, name)
+                    assert all(0 < s["clipped"] for s in case["steps"]), (dp, name)
+                    obj, grad = _assert_reference(case, name)
+                    w = worst.setdefault(mode, [0.0, 0.0])
+                    w[0], w[1] = max(w[0], obj), max(w[1], grad)
+    print("AReaL critic worst per mode (objective, gradient): " + "; ".join(
+        f"{m} {o:.1e} {g:.1e}" for m, (o, g) in worst.items()))
+
+
+def test_control_areals_stock_critic_is_the_plugins_token_mean(results):
+    """The plug-in off on the same critic (AReaL's own split, loss and weight): the token mean of
+    the reference under every split, and the plug-in's token_mean step for step (1e-6); the value
+    mode's own setting is read (policy prompt_mean, value_mode seq_mean: the seq_mean objective)."""
+    for dp, result in results.items():
+        cases = result["cases"]
+        for split in SPLITS:
+            _assert_reference(cases[f"critic-stock-{split}"], f"critic-stock-{split}")
+            (stock,) = cases[f"critic-stock-{split}"]["steps"]
+            (ours,) = cases[f"critic-token_mean-{split}-steps1"]["steps"]
+            assert abs(stock["objective"] - ours["objective"]) <= OBJECTIVE_TOL * max(abs(ours["objective"]), 0.01)
+        (other,) = cases["critic-prompt_mean-value_mode-seq_mean"]["steps"]
+        _assert_reference(cases["critic-prompt_mean-value_mode-seq_mean"], "value_mode")
+        (seq,) = cases["critic-seq_mean-3mb-steps1"]["steps"]
+        (prompt,) = cases["critic-prompt_mean-3mb-steps1"]["steps"]
+        assert abs(other["objective"] - seq["objective"]) <= OBJECTIVE_TOL * abs(seq["objective"]), dp
+        assert abs(seq["objective"] - prompt["objective"]) > 1e-3 * abs(seq["objective"]), dp  # they differ here
+
+
+def test_the_critics_value_head_trains_and_stays_one_over_dp(results):
+    """One real optimizer step of the plug-in's critic: the value head moves (AReaL 1.0.4 alone puts
+    it in after DDP's buffers are built: with this untied model its distributed optimizer fails at
+    start-up; with a tied one the head never moves), the trunk too, and the head is the same on
+    every DP rank after (built before DDP, it is broadcast and its gradient reduced)."""
+    for dp, result in results.items():
+        info = result["critic"]
+        assert info["head_moved"] > 1e-4 and info["trunk_moved"] > 1e-4, (dp, info)
+        assert info["head_spread"] == 0.0, (dp, info)
+
+
+def test_distillation_through_the_plugin_equals_the_float64_reference(results):
+    """AReaL's KD term (teacher_logp) through the plug-in, at DP 1 and 2 under every split: joint
+    (rl_loss_weight 0.7 x prompt_mean's J_pg + distill_loss_weight 0.3 x the KD token mean over the
+    step's valid tokens) and pure KD (rl_loss_weight 0: the KD token mean alone) equal the float64
+    reference, also over 2 optimizer steps; AReaL's own joint KD (plug-in off, token mean, no M2PO)
+    too; with M2PO choosing the PG numerator, the gradient is the same under every split and DP
+    (1e-5). Catches the KD term divided per micro-batch by M2PO's kept count, weighted by the PG
+    mode, rl_loss_weight lost, or the KD term refused (as it was)."""
+    worst = {}
+    for result in results.values():
+        cases = result["cases"]
+        for kind in ("joint-prompt_mean", "pure-seq_mean"):
+            for split in SPLITS:
+                obj, grad = _assert_reference(cases[f"kd-{kind}-{split}"], f"kd-{kind}-{split}")
+                w = worst.setdefault(kind.split("-")[0], [0.0, 0.0])
+                w[0], w[1] = max(w[0], obj), max(w[1], grad)
+        _assert_reference(cases["kd-joint-prompt_mean-3mb-steps2"], "kd steps2")
+        _assert_reference(cases["kd-stock-joint-3mb"], "kd stock")
+    base = _grad(results[1], "kd-joint-m2po-prompt_mean-1mb")
+    for dp, result in results.items():
+        for split in SPLITS:
+            assert _rel(_grad(result, f"kd-joint-m2po-prompt_mean-{split}"), base) <= GRAD_TOL, (dp, split)
+    print("AReaL KD worst (objective, gradient): " + "; ".join(f"{k} {o:.1e} {g:.1e}" for k, (o, g) in worst.items()))

@@ -144,6 +144,21 @@ def actor_config(path: str, world: int, p: dict):
     )
 
 
+def critic_config(path: str, world: int, eps_clip: float = 0.05):
+    """AReaL's ``PPOCriticConfig`` for the same folder, as its examples configure a Megatron critic
+    (``is_critic``: AReaL's value head in place of the LM head, random without ``value_head.pt``):
+    the actor's backend, dtype and optimizer, AReaL's distributed optimizer."""
+    from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOCriticConfig
+
+    return PPOCriticConfig(
+        experiment_name="pg_agg", trial_name="cpu", path=path, backend=f"megatron:d{world}", dtype="float32",
+        grad_reduce_dtype="float32", disable_dropout=True, is_critic=True, mb_spec=MicroBatchSpec(n_mbs=1),
+        optimizer=OptimizerConfig(type="adam", lr=1e-3, weight_decay=0.0, gradient_clipping=1.0,
+                                  warmup_steps_proportion=0.0),
+        ppo_n_minibatches=1, eps_clip=eps_clip,
+    )
+
+
 def full_gradient(actor) -> tuple[list, list, torch.Tensor]:
     """``(names, numels, flat)``: every parameter's reduced gradient from the DDP grad buffers, in
     sorted name order; a distributed optimizer's reduce-scattered bucket shards are all-gathered."""

@@ -29,6 +29,21 @@ def _areal():
     require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
 
 
+@pytest.fixture(autouse=True)
+def _areal_statistics_start_empty():
+    """AReaL's loss functions log into one module-level tracker, which AReaL's trainer empties
+    (exports) after every update; a statistic logged on some calls only (the KD term's
+    ``rkl_loss``) must not meet another test's denominators there."""
+    if importlib.util.find_spec("areal") is not None:
+        from areal.utils import stats_tracker
+
+        tracker = stats_tracker.DEFAULT_TRACKER
+        tracker.stats.clear()
+        tracker.denominators.clear()
+        tracker.reduce_types.clear()
+    yield
+
+
 def make_batch(seed: int = 0):
     """A padded AReaL batch of one rank: prompts then responses, loss_mask on response tokens (one
     response fully masked, one with a masked token), advantages per token, old and current
@@ -69,12 +84,18 @@ def make_batch(seed: int = 0):
 def reference(data, current, rows, mode: str, numerator=None):
     """J of the whole step from the formulas: pg_t = -min(A r, A clip(r)), r = exp(logp - prox),
     summed over ``numerator`` (default: the loss mask), divided by the units of the loss mask."""
-    mask = data["loss_mask"].bool()
-    numerator = mask if numerator is None else numerator
     ratio = torch.exp(current.double() - data["prox_logp"].double())
     adv = data["advantages"].double()
     pg = -torch.min(adv * ratio, adv * ratio.clamp(1 - EPS, 1 + EPS))
-    per_row = (pg * numerator).sum(1)
+    return aggregated(pg, data, rows, mode, numerator)
+
+
+def aggregated(per_token, data, rows, mode: str, numerator=None):
+    """The README's modes on a per-token loss: summed over ``numerator`` (default: the loss mask),
+    divided by the units of the loss mask (float64)."""
+    mask = data["loss_mask"].bool()
+    numerator = mask if numerator is None else numerator
+    per_row = torch.where(numerator, per_token, 0.0).sum(1)
     counts = mask.sum(1)
     active = counts > 0
     if mode == "token_mean":
@@ -94,9 +115,10 @@ def reference(data, current, rows, mode: str, numerator=None):
     return total / n_groups
 
 
-def engine_objective(data, current, mode, *, n_steps, mb_spec, loss=None, m2_threshold=None, plugin=True):
+def engine_objective(data, current, mode, *, n_steps, mb_spec, loss=None, m2_threshold=None, plugin=True, wrap=True):
     """The plug-in's objective under AReaL's splits and the engine's arithmetic, summed over the
-    optimizer steps (each step's share of J; the steps here all start from the same weights)."""
+    optimizer steps (each step's share of J; the steps here all start from the same weights).
+    ``wrap=False``: the step prepared by the plug-in, ``loss`` handed the micro-batches as is."""
     from areal.api.cli_args import MicroBatchSpec
     from areal.trainer.ppo.actor import grpo_loss_fn
     from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
@@ -115,7 +137,7 @@ def engine_objective(data, current, mode, *, n_steps, mb_spec, loss=None, m2_thr
         packed = [pack_tensor_dict(mb) for mb in mbs]
         weights = [mb["loss_mask"].count_nonzero() for mb in packed]
         W = sum(weights)
-        wrapped = exact_loss_fn(loss) if plugin else loss
+        wrapped = exact_loss_fn(loss) if plugin and wrap else loss
         for mb, w in zip(packed, weights):
             if w == 0:  # the engine skips a micro-batch of weight 0 (output.mean() * 0)
                 continue
@@ -298,14 +320,276 @@ def test_token_mean_through_the_plugin_is_areals_own_loss_bit_for_bit():
 
 @pytest.mark.optional_stack
 def test_a_step_the_objective_cannot_take_is_refused_by_name():
-    """prompt_mean without the plug-in's group marks (its ppo_update did not run), and AReaL's
-    distillation term (its own token-mean denominator, in any mode)."""
+    """prompt_mean without the plug-in's group marks (its ppo_update did not run). AReaL's
+    distillation term is no longer refused (its own term: the tests below)."""
     _areal()
-    from megatron_pg_agg.integrations.areal_loss import GROUP, ArealBatchError, prepare_step
+    from megatron_pg_agg.integrations.areal_loss import COEF, GROUP, ArealBatchError, prepare_step
 
     data, _, _ = make_batch()
     unmarked = {k: v for k, v in data.items() if k != GROUP}
     with pytest.raises(ArealBatchError, match="prompt_mean needs the prompt groups"):
         prepare_step(unmarked, mode="prompt_mean", divisor=None)
-    with pytest.raises(ArealBatchError, match="teacher_logp"):
-        prepare_step({**data, "teacher_logp": data["logprobs"]}, mode="token_mean", divisor=None)
+    assert COEF in prepare_step({**data, "teacher_logp": data["logprobs"]}, mode="token_mean", divisor=None)
+
+
+# ---- AReaL's distillation term (teacher_logp): AReaL's token mean over the step, a term of its own
+
+RL_WEIGHT, DISTILL_WEIGHT = 0.7, 0.3
+"""AReaL's teacher.rl_loss_weight and teacher.distill_loss_weight (its defaults are 1 and 0.005:
+larger here, so that a wrong KD term moves J well past float32's rounding)."""
+
+
+def with_teacher(data, rl_loss_weight):
+    """The batch with AReaL's distillation fields as its trainer writes them: per-token
+    ``teacher_logp`` (the student's old log-probs moved by noise) and the two weights (floats)."""
+    g = torch.Generator().manual_seed(11)
+    teacher = data["logprobs"] + 0.4 * torch.randn(data["logprobs"].shape, generator=g)
+    return {**data, "teacher_logp": teacher * data["attention_mask"], "rl_loss_weight": rl_loss_weight,
+            "distill_loss_weight": DISTILL_WEIGHT}
+
+
+def distill_reference(data, current, rows, mode, rl_loss_weight, numerator=None):
+    """J = rl * J_pg(mode, numerator) + dw * (1/D) sum_t d_t kd_t, with kd_t = logp - teacher
+    (joint), or, for rl = 0 (pure KD), J = dw * (1/D) sum_t d_t (-exp(logp - old) (teacher - sg(logp)))."""
+    current = current.double()
+    teacher = data["teacher_logp"].double()
+    if rl_loss_weight == 0:
+        kd = -torch.exp(current - data["logprobs"].double()) * (teacher - current.detach())
+        return DISTILL_WEIGHT * aggregated(kd, data, rows, "token_mean")
+    kd = current - teacher
+    return rl_loss_weight * reference(data, current, rows, mode, numerator) + \
+        DISTILL_WEIGHT * aggregated(kd, data, rows, "token_mean")
+
+
+@pytest.mark.optional_stack
+@pytest.mark.parametrize("m2po", [False, True], ids=["no-m2po", "m2po"])
+@pytest.mark.parametrize("rl_loss_weight", [RL_WEIGHT, 0.0], ids=["joint", "pure-kd"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean", "constant"])
+def test_distillation_is_a_token_mean_of_its_own_under_every_split(mode, rl_loss_weight, m2po):
+    """AReaL's KD term through the plug-in: rl_loss_weight * (the mode's J_pg) + distill_loss_weight
+    * (the KD term's token mean over every valid token of the step), under every split, with M2PO
+    choosing the PG numerator (its dropped tokens stay in the KD term: a per-token regulariser,
+    like the project's KL) and without; pure KD (rl_loss_weight 0) is the KD token mean alone, in
+    every mode. Catches the KD term divided by the numerator's count n_i (M2PO) or put on it, the
+    KD term scaled by the PG mode's c_t, rl_loss_weight dropped, or the KD term counted twice."""
+    _areal()
+    from areal.trainer.ppo.actor import _apply_m2po_masking, grpo_loss_fn
+
+    data, current, rows = make_batch(seed=3)
+    numerator, threshold = None, None
+    if m2po:
+        g = torch.Generator().manual_seed(5)
+        data["prox_logp"] = data["logprobs"] + 0.3 * torch.randn(data["logprobs"].shape, generator=g) * \
+            data["attention_mask"]
+        numerator = _apply_m2po_masking(data["logprobs"], data["prox_logp"], data["loss_mask"].bool(), M2)
+        threshold = M2
+    data = with_teacher(data, rl_loss_weight)
+    ref_current = current.detach().double().requires_grad_(True)
+    expected = distill_reference(data, ref_current, rows, mode, rl_loss_weight, numerator)
+    (ref_grad,) = torch.autograd.grad(expected, ref_current)
+    loss = functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None, m2_threshold=threshold)
+    for spec in SPLITS:
+        mine = current.detach().requires_grad_(True)
+        got = engine_objective(data, mine, mode, n_steps=1, mb_spec=spec, loss=loss, m2_threshold=threshold)
+        (grad,) = torch.autograd.grad(got, mine)
+        assert abs(float(got) - float(expected)) <= 1e-6 * max(abs(float(expected)), 0.01), (mode, spec)
+        assert float((grad.double() - ref_grad).norm()) <= 1e-5 * float(ref_grad.norm()), (mode, spec)
+
+
+@pytest.mark.optional_stack
+def test_control_the_kd_term_inside_the_pg_call_misses_under_m2po():
+    """The one-call form (AReaL's grpo_loss_fn with the teacher beside the scaled advantages and
+    the numerator mask, as the plug-in called it before): its KD term is summed over M2PO's kept
+    tokens and divided by their count per micro-batch, so it moves with the split and misses the
+    token mean the two-call form gives (the test above)."""
+    _areal()
+    from areal.trainer.ppo.actor import grpo_loss_fn
+
+    from megatron_pg_agg.integrations.areal_loss import COEF, NUMERATOR
+
+    data, current, rows = make_batch(seed=3)
+    g = torch.Generator().manual_seed(5)
+    data["prox_logp"] = data["logprobs"] + 0.3 * torch.randn(data["logprobs"].shape, generator=g) * \
+        data["attention_mask"]
+    data = with_teacher(data, RL_WEIGHT)
+    loss = functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None)
+
+    def one_call(logprobs, entropy, mb, **kwargs):
+        numerator = mb[NUMERATOR].bool()
+        k = mb[COEF] * (numerator.sum().clamp(min=1) / mb["loss_mask"].bool().sum())
+        return loss(logprobs, entropy, {**mb, "advantages": mb["advantages"] * k, "loss_mask": numerator})
+
+    expected = float(distill_reference(data, current, rows, "token_mean", RL_WEIGHT,
+                                       _m2po_keep(data)))
+    got = []
+    for spec in SPLITS:
+        got.append(float(engine_objective(data, current, "token_mean", n_steps=1, mb_spec=spec, loss=one_call,
+                                          m2_threshold=M2, wrap=False)))
+    assert max(abs(v - expected) for v in got) > 1e-3 * abs(expected), (got, expected)
+
+
+def _m2po_keep(data):
+    from areal.trainer.ppo.actor import _apply_m2po_masking
+
+    return _apply_m2po_masking(data["logprobs"], data["prox_logp"], data["loss_mask"].bool(), M2)
+
+
+@pytest.mark.optional_stack
+def test_the_two_call_kd_loss_logs_areals_statistics_once_per_micro_batch():
+    """AReaL's statistics of a joint KD step through the plug-in: one entry per micro-batch in
+    its tracker (the second, KD-only call logs to a scratch tracker), rkl_loss among them, and the
+    tracker's module functions restored after. Catches the KD call's statistics leaking (AReaL's
+    denominator and value lists would no longer pair up, and its export would fail or mix them)."""
+    _areal()
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.trainer.ppo.actor import grpo_loss_fn
+    from areal.utils import stats_tracker
+    from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
+
+    from megatron_pg_agg.integrations.areal_loss import exact_loss_fn, prepare_step
+
+    data, current, _ = make_batch()
+    data = with_teacher(data, RL_WEIGHT)
+    own = (stats_tracker.stat, stats_tracker.denominator, stats_tracker.scalar)
+    loss = exact_loss_fn(functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None))
+    step = prepare_step({**data, "_current": current}, mode="seq_mean", divisor=None)
+    mbs = [pack_tensor_dict(mb) for mb in split_padded_tensor_dict_into_mb_list(step, MicroBatchSpec(n_mbs=3)).mbs]
+    for mb in mbs:
+        logp = mb.pop("_current")
+        loss(logp, logp * 0, mb)
+    tracker = stats_tracker.DEFAULT_TRACKER
+    assert len(tracker.stats["n_valid_tokens"]) == len(mbs) == len(tracker.stats["rkl_loss"]), \
+        {k: len(v) for k, v in tracker.stats.items()}
+    assert (stats_tracker.stat, stats_tracker.denominator, stats_tracker.scalar) == own
+    assert "rkl_loss/avg" in stats_tracker.export()
+
+
+# ---- AReaL's critic: the value term in the chosen mode
+
+VALUE_EPS = 0.1
+"""critic.eps_clip: small enough that the clipped branch is the larger one on part of the batch."""
+
+
+def make_critic_batch(seed: int = 0):
+    """The unit batch as AReaL's critic step receives it: ``values`` (V_old, the critic's own
+    before the update), ``returns``, the rolled loss mask, the group marks; and the current values
+    V (V_old moved by noise, so that the clip is partly active)."""
+    data, _, rows = make_batch(seed)
+    g = torch.Generator().manual_seed(seed + 20)
+    attention = data["attention_mask"]
+    old = 0.3 * torch.randn(attention.shape, generator=g)
+    current = old + 0.15 * torch.randn(attention.shape, generator=g)
+    returns = torch.tensor([[1.0], [0.0], [0.5]]).repeat(6, 1)[:attention.shape[0]] + 0.1 * torch.randn(
+        attention.shape, generator=g)
+    critic = {k: data[k] for k in ("input_ids", "attention_mask", "loss_mask", "pg_agg_group")}
+    critic.update(values=old * attention, returns=returns * attention)
+    return critic, (current * attention).float(), rows
+
+
+def value_reference(data, current, rows, mode):
+    """J_v from the formulas (float64): v_t = 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2)."""
+    current = current.double()
+    old, ret = data["values"].double(), data["returns"].double()
+    clipped = torch.minimum(torch.maximum(current, old - VALUE_EPS), old + VALUE_EPS)
+    v = 0.5 * torch.maximum((current - ret) ** 2, (clipped - ret) ** 2)
+    return aggregated(v, data, rows, mode)
+
+
+def critic_objective(data, current, mode, *, n_steps, mb_spec, plugin=True):
+    """The critic's objective under AReaL's splits and the engine's arithmetic (L_i w_i / W per
+    micro-batch, w_i the loss mask's count), with AReaL's own ppo_loss_fn partial handed in as
+    AReaL's PPOCritic hands it (plugin=False: that loss as is, AReaL's stock critic)."""
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.trainer.ppo.critic import ppo_loss_fn
+    from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
+
+    from megatron_pg_agg.core.value import ValueLossConfig
+    from megatron_pg_agg.integrations.areal_loss import (
+        exact_value_loss_fn,
+        prepare_step,
+        take_rows,
+        value_clip_eps,
+        whole_group_minibatches,
+    )
+
+    loss = functools.partial(ppo_loss_fn, eps_clip=VALUE_EPS)
+    data = {**data, "_current": current}
+    total = 0.0
+    every_row = list(range(data["attention_mask"].shape[0]))
+    steps = whole_group_minibatches(data, n_steps, "critic.ppo_n_minibatches") if plugin else [every_row]
+    for rows_of_step in steps:
+        step = take_rows(data, rows_of_step)
+        wrapped = loss
+        if plugin:
+            step = prepare_step(step, mode=mode, divisor=DIVISOR if mode == "constant" else None)
+            wrapped = exact_value_loss_fn(loss, ValueLossConfig(clip_eps=value_clip_eps(loss), factor=0.5))
+        mbs = split_padded_tensor_dict_into_mb_list(step, MicroBatchSpec(**mb_spec)).mbs
+        packed = [pack_tensor_dict(mb) for mb in mbs]
+        weights = [mb["loss_mask"].count_nonzero() for mb in packed]
+        for mb, w in zip(packed, weights):
+            if w == 0:
+                continue
+            values = mb.pop("_current")
+            total = total + wrapped(values, mb) * w / sum(weights)
+    return total
+
+
+@pytest.mark.optional_stack
+@pytest.mark.parametrize("n_steps", [1, 2])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "prompt_mean", "constant"])
+def test_the_critic_loss_is_exact_under_every_split(mode, n_steps):
+    """AReaL's critic step through the plug-in (its ppo_loss_fn partial, eps read off it; AReaL's
+    splitter, packing and engine weights): each optimizer step's J_v and dJ_v/dV equal the float64
+    formulas in every mode, under four micro-batch splits and 1 or 2 steps of whole groups. Catches
+    a wrong c^v_t or D/W, the micro-batch weight w_i not divided out, the clip not AReaL's (eps, the
+    max of the two branches, the 0.5), or the clip range not read from AReaL's partial."""
+    _areal()
+    from megatron_pg_agg.integrations.areal_loss import take_rows, whole_group_minibatches
+
+    data, current, rows = make_critic_batch()
+    steps = whole_group_minibatches(data, n_steps)
+    ref_current = current.detach().double().requires_grad_(True)
+    expected = sum(value_reference(take_rows(data, s), ref_current[s], [rows[r] for r in s], mode) for s in steps)
+    (ref_grad,) = torch.autograd.grad(expected, ref_current)
+    clipped = _clip_binds(data, current)
+    assert 0 < clipped < int(data["loss_mask"].sum()), clipped  # both branches of AReaL's max are taken
+    for spec in SPLITS:
+        mine = current.detach().requires_grad_(True)
+        got = critic_objective(data, mine, mode, n_steps=n_steps, mb_spec=spec)
+        (grad,) = torch.autograd.grad(got, mine)
+        assert abs(float(got) - float(expected)) <= 1e-6 * max(abs(float(expected)), 0.01), (mode, spec)
+        assert float((grad.double() - ref_grad).norm()) <= 1e-5 * float(ref_grad.norm()), (mode, spec)
+
+
+def _clip_binds(data, current) -> int:
+    old, ret = data["values"].double(), data["returns"].double()
+    current = current.double()
+    clipped = torch.minimum(torch.maximum(current, old - VALUE_EPS), old + VALUE_EPS)
+    return int(((clipped - ret) ** 2 > (current - ret) ** 2)[data["loss_mask"].bool()].sum())
+
+
+@pytest.mark.optional_stack
+def test_control_areals_stock_critic_is_the_token_mean_and_not_the_seq_mean():
+    """AReaL's own critic loss (plug-in off, its own split of one step): the token mean of the
+    float64 formula under every split (what the plug-in's token_mean equals above), and not the
+    seq mean (which the plug-in's seq_mean equals)."""
+    _areal()
+    data, current, rows = make_critic_batch()
+    token = float(value_reference(data, current, rows, "token_mean"))
+    seq = float(value_reference(data, current, rows, "seq_mean"))
+    for spec in SPLITS:
+        stock = float(critic_objective(data, current, "token_mean", n_steps=1, mb_spec=spec, plugin=False))
+        assert abs(stock - token) <= 1e-6 * max(abs(token), 0.01), spec
+        assert abs(stock - seq) > 1e-2 * abs(seq)
+
+
+@pytest.mark.optional_stack
+def test_the_critic_clip_range_is_read_off_areals_partial():
+    _areal()
+    from areal.trainer.ppo.critic import ppo_loss_fn
+
+    from megatron_pg_agg.integrations.areal_loss import ArealBatchError, value_clip_eps
+
+    assert value_clip_eps(functools.partial(ppo_loss_fn, eps_clip=0.25)) == 0.25
+    with pytest.raises(ArealBatchError, match="cannot read critic.eps_clip"):
+        value_clip_eps(ppo_loss_fn)

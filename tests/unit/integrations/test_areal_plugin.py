@@ -14,6 +14,7 @@ from megatron_pg_agg.integrations.areal_plugin import (
     ArealConfigError,
     ArealObjective,
     config_problems,
+    critic_config_problems,
     objective_from_env,
 )
 from tests.support.optional import REQUIRE_AREAL, require
@@ -118,6 +119,73 @@ def test_objective_round_trips_through_the_environment(monkeypatch):
         ArealObjective("token_mean", group_baseline="token")
 
 
+def test_the_value_mode_round_trips_and_defaults_to_the_policys(monkeypatch):
+    """``;value_mode=<mode>[:<L>]`` beside group_baseline, in either order, peers' names resolved;
+    no value_mode: the critic's value term takes the policy's mode and divisor. Catches the option
+    dropped on the way to the workers (encode/decode), or a default other than the policy's."""
+    cases = {"seq_mean;value_mode=token_mean": ArealObjective("seq_mean", value_mode="token_mean"),
+             "constant:512;group_baseline=response_mean;value_mode=constant:64":
+                 ArealObjective("constant", 512, "response_mean", "constant", 64),
+             "prompt_mean;value_mode=seq-mean-token-sum": ArealObjective("prompt_mean", value_mode="constant",
+                                                                         value_divisor=1),
+             "token_mean;value_mode=seq_mean;group_baseline=response_mean_std":
+                 ArealObjective("token_mean", None, "response_mean_std", "seq_mean")}
+    for text, objective in cases.items():
+        monkeypatch.setenv(ENV, text)
+        assert objective_from_env() == objective, text
+        monkeypatch.setenv(ENV, objective.encode())
+        assert objective_from_env() == objective
+    assert ArealObjective("seq_mean", value_mode="constant", value_divisor=64).encode() == \
+        "seq_mean;value_mode=constant:64"
+    assert ArealObjective("seq_mean").encode() == "seq_mean"
+    own = ArealObjective("constant", 512).value_loss(0.5)
+    assert (own.mode, own.divisor, own.clip_eps, own.factor) == ("constant", 512, 0.5, 0.5)
+    other = ArealObjective("constant", 512, value_mode="seq_mean").value_loss(0.2)
+    assert (other.mode, other.divisor, other.clip_eps) == ("seq_mean", None, 0.2)
+    for text, message in (("token_mean;value_mode=constant", "needs divisor"),
+                          ("token_mean;value_mode=bogus", "bogus"),
+                          ("token_mean;value_mode=seq_mean;value_mode=seq_mean", "given twice"),
+                          ("token_mean;value=seq_mean", "unknown option")):
+        monkeypatch.setenv(ENV, text)
+        with pytest.raises(ArealConfigError, match=message):
+            objective_from_env()
+    with pytest.raises(ValueError, match="value divisor goes with a value mode"):
+        ArealObjective("token_mean", value_divisor=4)
+
+
+def _critic(**keys):
+    return SimpleNamespace(**{"ppo_n_minibatches": 1, "is_critic": True, "eps_clip": 0.5, "backend": "megatron:d2",
+                              "enable_tree_training": False, "mb_spec": SimpleNamespace(n_mbs=1),
+                              "megatron": SimpleNamespace(bridge_type="mbridge"), **keys})
+
+
+def test_critic_refusals_name_the_critic_keys():
+    """AReaL's critic keys, each refused by name: a step shape that would cut a group or starve
+    the micro-batches (critic.ppo_n_minibatches, critic.mb_spec.n_mbs), is_critic off, a clip
+    range of 0, tree training, context or pipeline parallelism in critic.backend, and a bridge
+    other than mbridge; AReaL's example critic (eps 0.5, 4 steps over 8 prompts a rank) is not.
+    Catches a critic key checked under the actor's name, or a refusal missing."""
+    objective = ArealObjective("prompt_mean")
+    assert critic_config_problems(_critic(ppo_n_minibatches=4), objective, prompts_per_step=16, dp_size=2,
+                                  samples_per_prompt=4) == []
+    (problem,) = critic_config_problems(_critic(ppo_n_minibatches=4), objective, prompts_per_step=6, dp_size=2)
+    assert "critic.ppo_n_minibatches=4" in problem and "gives 3" in problem and "actor." not in problem, problem
+    (problem,) = critic_config_problems(_critic(ppo_n_minibatches=2, mb_spec=SimpleNamespace(n_mbs=4)), objective,
+                                        prompts_per_step=4, dp_size=2, samples_per_prompt=3)
+    assert "critic.mb_spec.n_mbs=4" in problem and "critic.ppo_n_minibatches=2" in problem, problem
+    for keys, expected in (({"is_critic": False}, "critic.is_critic=False"),
+                           ({"eps_clip": 0.0}, "critic.eps_clip=0.0"),
+                           ({"enable_tree_training": True}, "critic.enable_tree_training=True"),
+                           ({"megatron": SimpleNamespace(bridge_type="megatron-bridge")},
+                            "critic.megatron.bridge_type=megatron-bridge")):
+        (problem,) = critic_config_problems(_critic(**keys), objective)
+        assert expected in problem, (keys, problem)
+    (problem,) = critic_config_problems(_critic(backend="megatron:d2c2"), objective, cp_size=2)
+    assert "critic.backend=megatron:d2c2 has context parallelism" in problem, problem
+    (problem,) = critic_config_problems(_critic(backend="megatron:d1p2"), objective, pp_size=2)
+    assert "critic.backend=megatron:d1p2 has 2 pipeline stages" in problem, problem
+
+
 def test_start_up_refusals_name_the_areal_keys():
     """A step shape that would cut a group, tree training, M2PO with a log-linear proximal
     approximation: each refused naming AReaL's keys; a shape that fits is not."""
@@ -188,7 +256,7 @@ from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
 apply_areal_cpu_patches()  # CPU: AReaL's engine module imports megatron.bridge (stood in here)
 import areal.engine
 from areal.api.cli_args import GRPOConfig
-from areal.engine.megatron_engine import MegatronPPOActor as own
+from areal.engine.megatron_engine import MegatronPPOActor as own, MegatronPPOCritic as own_critic
 from megatron_pg_agg.integrations.areal_plugin import ENV, ArealObjective, use_pg_agg
 config = GRPOConfig()
 config.train_dataset.batch_size, config.actor.ppo_n_minibatches = 8, 2
@@ -203,13 +271,40 @@ assert use_pg_agg(config) == ArealObjective("constant", 512, "response_mean")
 assert all(s.env_vars[ENV] == os.environ[ENV] for s in config.actor.scheduling_spec)
 from areal.engine import MegatronPPOActor as chosen  # what AReaL's trainer imports
 assert chosen is not own and issubclass(chosen, own)
-path = chosen.__module__ + "." + chosen.__name__  # what its single-controller workers import
+assert areal.engine.MegatronPPOCritic is own_critic  # no critic configured: AReaL's own is left alone
+
+# a Megatron critic (AReaL's PPOConfig): refusals by name, then the plug-in's critic installed
+from areal.api.cli_args import PPOConfig, PPOCriticConfig
+def with_critic(backend="megatron:d1"):
+    c = PPOConfig()
+    c.actor.backend, c.train_dataset.batch_size, c.actor.ppo_n_minibatches = "megatron:d1", 8, 2
+    c.critic = PPOCriticConfig(backend=backend, is_critic=True, ppo_n_minibatches=2)
+    return c
+for backend, expected in (("fsdp:d1", "critic.backend=fsdp:d1"), ("megatron:d1c2", "has context parallelism")):
+    try:
+        use_pg_agg(with_critic(backend), "seq_mean")
+        raise SystemExit(backend + " was not refused")
+    except ValueError as error:
+        assert expected in str(error), error
+c = with_critic()
+c.actor.kl_ctl = 0.0
+try:
+    use_pg_agg(c, "seq_mean", group_baseline="response_mean")
+    raise SystemExit("group_baseline with a critic was not refused")
+except ValueError as error:
+    assert "with a critic" in str(error), error
+c = with_critic()
+assert use_pg_agg(c, "constant", 64, value_mode="seq_mean") == ArealObjective("constant", 64, value_mode="seq_mean")
+assert all(s.env_vars[ENV] == "constant:64;value_mode=seq_mean" for s in c.critic.scheduling_spec)
+from areal.engine import MegatronPPOCritic as critic  # what AReaL's trainer imports (_create_critic)
+assert critic is not own_critic and issubclass(critic, own_critic)
+paths = [k.__module__ + "." + k.__name__ for k in (chosen, critic)]  # what its single-controller workers import
 code = ("from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
-        "import importlib; m, _, n = %r.rpartition('.'); c = getattr(importlib.import_module(m), n); "
-        "print('CLASS', c.__mro__[1].__module__, c.__mro__[1].__name__)" % path)
+        "import importlib; [print('CLASS', c.__mro__[1].__module__, c.__mro__[1].__name__) for c in "
+        "(getattr(importlib.import_module(p.rpartition('.')[0]), p.rpartition('.')[2]) for p in %r)]" % paths)
 out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 found = [line for line in out.stdout.splitlines() if line.startswith("CLASS ")]
-print("WORKER", path, *found, out.returncode)
+print("WORKER", *paths, *found, out.returncode)
 """
 
 
@@ -219,7 +314,14 @@ def test_use_pg_agg_installs_the_actor_where_areals_trainer_and_workers_find_it(
     reaches every actor.scheduling_spec's env_vars, AReaL's trainer's lazy ``from areal.engine
     import MegatronPPOActor`` gets the plug-in's class, and that class's import path (what AReaL's
     single-controller workers import) resolves in another fresh interpreter. Catches the class
-    not installed, an unimportable path, or the mode not written for the workers."""
+    not installed, an unimportable path, or the mode not written for the workers.
+
+    Then on AReaL's PPOConfig with a Megatron critic (one interpreter, to keep the imports to one):
+    an FSDP critic, a critic with context parallelism and group_baseline beside a critic are refused
+    by name; the objective (with its value_mode) reaches critic.scheduling_spec's env_vars, and
+    ``from areal.engine import MegatronPPOCritic`` (AReaL's ``_create_critic``) gets the plug-in's
+    critic, whose path resolves in the worker interpreter too. Catches the critic not installed
+    (today's stock critic silently beside the plug-in's actor) or its mode not written for its workers."""
     require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
     import subprocess
     import sys
@@ -227,7 +329,9 @@ def test_use_pg_agg_installs_the_actor_where_areals_trainer_and_workers_find_it(
     out = subprocess.run([sys.executable, "-c", USE_PG_AGG], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-5000:]
     assert ("WORKER megatron_pg_agg.integrations.areal_plugin.PGAggMegatronPPOActor "
-            "CLASS areal.engine.megatron_engine MegatronPPOActor 0") in out.stdout, out.stdout[-3000:]
+            "megatron_pg_agg.integrations.areal_plugin.PGAggMegatronPPOCritic "
+            "CLASS areal.engine.megatron_engine MegatronPPOActor "
+            "CLASS areal.engine.megatron_engine MegatronPPOCritic 0") in out.stdout, out.stdout[-3000:]
 
 
 @pytest.mark.optional_stack
@@ -245,3 +349,35 @@ def test_a_shape_that_would_cut_a_group_is_refused_naming_areals_keys(monkeypatc
     monkeypatch.delenv(ENV, raising=False)
     with pytest.raises(ArealConfigError, match="reads MEGATRON_PG_AGG_AREAL"):
         use_pg_agg(GRPOConfig())
+
+
+
+@pytest.mark.optional_stack
+def test_areals_critic_hands_its_loss_the_cp_shard_beside_whole_sequences():
+    """Why a critic with context parallelism is refused (by reading AReaL 1.0.4, confirmed on its
+    own code here): under CP its forward step hands ``_compute_logprobs_and_loss`` this rank's shard
+    of the output with the whole micro-batch's inputs and the ``_cp_*`` keys; the actor branch
+    reassembles the shards, the critic branch calls the loss on the shard as is."""
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+
+    apply_areal_cpu_patches()
+    from areal.engine.megatron_engine import MegatronEngine
+
+    seen = {}
+
+    def loss_fn(values, inputs):
+        seen.update(values=tuple(values.shape), returns=tuple(inputs["returns"].shape),
+                    cp_keys=sorted(k for k in inputs if k.startswith("_cp_")))
+        return values.sum()
+
+    tokens = 16
+    inputs = {"returns": torch.zeros(tokens), "values": torch.zeros(tokens), "loss_mask": torch.ones(tokens),
+              "_cp_padded_cu_seqlens": torch.tensor([0, tokens]), "_cp_padding_length": 0,
+              "_cp_old_cu_seqlens": torch.tensor([0, tokens])}
+    engine = SimpleNamespace(config=SimpleNamespace(is_critic=True), enable_tree_training=False)
+    shard = torch.zeros(tokens // 2, 1)  # CP rank 0 of 2
+    MegatronEngine._compute_logprobs_and_loss(engine, shard, inputs, loss_fn, lambda x: x["loss_mask"].sum(),
+                                              torch.tensor(float(tokens)))
+    assert seen["values"] == (tokens // 2,) and seen["returns"] == (tokens,), seen
+    assert "_cp_padded_cu_seqlens" in seen["cp_keys"], seen
