@@ -357,26 +357,58 @@ def _run_problems(config, objective: ArealObjective) -> list:
     return problems
 
 
+class _WholeGroupSteps:
+    """What the plug-in's actor and critic add to AReaL's classes alike (a mixin before AReaL's base):
+    ``ppo_update`` tags AReaL's per-group records with their groups, and each PPO step is prepared
+    over every DP rank before AReaL's engine splits it (:meth:`_exact_step`)."""
+
+    pg_agg_role = "actor"
+    """AReaL's config section of the class (named in refusals)."""
+
+    def ppo_update(self, data, *args, **kwargs):
+        from .areal_loss import tag_groups  # noqa: PLC0415
+
+        if not isinstance(data, list):
+            raise ArealConfigError(f"the {self.pg_agg_role}'s ppo_update needs AReaL's per-group records (a list of "
+                                   f"dicts, one per prompt group); got {type(data).__name__}")
+        return super().ppo_update(tag_groups(data), *args, **kwargs)
+
+    def _exact_step(self, input_, loss_fn, loss_weight_fn, *, mode: str, divisor: Optional[float],
+                    m2_threshold: Optional[float] = None):
+        """AReaL's ``train_batch`` on one marked PPO step: its micro-batch count checked, its weights
+        prepared over every DP rank (:func:`.areal_loss.prepare_step`), ``loss_fn`` the exact loss."""
+        from megatron.core import parallel_state as mpu  # noqa: PLC0415
+
+        from .areal_loss import ArealBatchError, prepare_step  # noqa: PLC0415
+
+        problem = step_too_small(input_, self.config, self.parallel_strategy.pipeline_parallel_size, self.pg_agg_role)
+        if problem:  # before AReaL's allocator fails deep in the step
+            raise ArealBatchError(problem)
+        batch = prepare_step(input_, mode=mode, divisor=divisor, m2_threshold=m2_threshold,
+                             dp_group=mpu.get_data_parallel_group())
+        return super().train_batch(batch, loss_fn, loss_weight_fn)
+
+
+def _built(cls: type) -> type:
+    """``cls`` named as this module's attribute (AReaL's single-controller workers import it by this
+    path) and kept, so that it is built once."""
+    cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    globals()[cls.__name__] = cls
+    return cls
+
+
 def actor_class():
     """:class:`PGAggMegatronPPOActor`, built on first use (AReaL is an optional extra)."""
     if "PGAggMegatronPPOActor" in globals():
         return globals()["PGAggMegatronPPOActor"]
     from areal.engine.megatron_engine import MegatronPPOActor  # noqa: PLC0415
-    from megatron.core import parallel_state as mpu  # noqa: PLC0415
 
     from megatron_pg_agg.patches import areal_actor  # noqa: PLC0415
     from megatron_pg_agg.patches._machinery import apply as apply_patch  # noqa: PLC0415
 
-    from .areal_loss import (  # noqa: PLC0415
-        GROUP,
-        ArealBatchError,
-        ResponseGroupBaseline,
-        exact_loss_fn,
-        prepare_step,
-        tag_groups,
-    )
+    from .areal_loss import GROUP, ResponseGroupBaseline, exact_loss_fn  # noqa: PLC0415
 
-    class PGAggMegatronPPOActor(MegatronPPOActor):
+    class PGAggMegatronPPOActor(_WholeGroupSteps, MegatronPPOActor):
         """AReaL's ``MegatronPPOActor`` training megatron_pg_agg's objective (module docstring)."""
 
         def __init__(self, config, *args, **kwargs):
@@ -407,27 +439,14 @@ def actor_class():
             finally:
                 self.actor.adv_norm, baseline.group_sizes = own, None
 
-        def ppo_update(self, data, *args, **kwargs):
-            if not isinstance(data, list):
-                raise ArealConfigError("ppo_update needs AReaL's per-group records (a list of dicts, one per prompt "
-                                       f"group); got {type(data).__name__}")
-            return super().ppo_update(tag_groups(data), *args, **kwargs)
-
         def train_batch(self, input_, loss_fn, loss_weight_fn):
             if not (isinstance(input_, dict) and GROUP in input_):  # not one of the actor's PPO steps
                 return super().train_batch(input_, loss_fn, loss_weight_fn)
             objective = self.pg_agg_objective
-            problem = step_too_small(input_, self.config, self.parallel_strategy.pipeline_parallel_size, "actor")
-            if problem:  # before AReaL's allocator fails deep in the step
-                raise ArealBatchError(problem)
-            batch = prepare_step(input_, mode=objective.mode, divisor=objective.divisor,
-                                 m2_threshold=self.actor.m2_threshold, dp_group=mpu.get_data_parallel_group())
-            return super().train_batch(batch, exact_loss_fn(loss_fn), loss_weight_fn)
+            return self._exact_step(input_, exact_loss_fn(loss_fn), loss_weight_fn, mode=objective.mode,
+                                    divisor=objective.divisor, m2_threshold=self.actor.m2_threshold)
 
-    PGAggMegatronPPOActor.__module__ = __name__
-    PGAggMegatronPPOActor.__qualname__ = "PGAggMegatronPPOActor"
-    globals()["PGAggMegatronPPOActor"] = PGAggMegatronPPOActor
-    return PGAggMegatronPPOActor
+    return _built(PGAggMegatronPPOActor)
 
 
 def critic_class():
@@ -435,21 +454,13 @@ def critic_class():
     if "PGAggMegatronPPOCritic" in globals():
         return globals()["PGAggMegatronPPOCritic"]
     from areal.engine.megatron_engine import MegatronPPOCritic  # noqa: PLC0415
-    from megatron.core import parallel_state as mpu  # noqa: PLC0415
 
     from megatron_pg_agg.patches import areal_actor  # noqa: PLC0415
     from megatron_pg_agg.patches._machinery import apply as apply_patch  # noqa: PLC0415
 
-    from .areal_loss import (  # noqa: PLC0415
-        GROUP,
-        ArealBatchError,
-        exact_value_loss_fn,
-        prepare_step,
-        tag_groups,
-        value_clip_eps,
-    )
+    from .areal_loss import GROUP, exact_value_loss_fn, value_clip_eps  # noqa: PLC0415
 
-    class PGAggMegatronPPOCritic(MegatronPPOCritic):
+    class PGAggMegatronPPOCritic(_WholeGroupSteps, MegatronPPOCritic):
         """AReaL's ``MegatronPPOCritic`` training the value term in megatron_pg_agg's objective
         (module docstring): the mode of ``value_mode`` (default: the policy's) over the step of
         every DP rank, AReaL's clipped squared error per token, steps of whole prompt groups."""
@@ -465,26 +476,16 @@ def critic_class():
             apply_patch(areal_actor.PATCH)
             super().__init__(config, *args, **kwargs)
 
-        def ppo_update(self, data, *args, **kwargs):
-            if not isinstance(data, list):
-                raise ArealConfigError("the critic's ppo_update needs AReaL's per-group records (a list of dicts, "
-                                       f"one per prompt group); got {type(data).__name__}")
-            return super().ppo_update(tag_groups(data), *args, **kwargs)
+        pg_agg_role = "critic"
 
         def train_batch(self, input_, loss_fn, loss_weight_fn):
             if not (isinstance(input_, dict) and GROUP in input_):  # not one of the critic's PPO steps
                 return super().train_batch(input_, loss_fn, loss_weight_fn)
-            problem = step_too_small(input_, self.config, self.parallel_strategy.pipeline_parallel_size, "critic")
-            if problem:  # before AReaL's allocator fails deep in the step
-                raise ArealBatchError(problem)
             value = self.pg_agg_objective.value_loss(value_clip_eps(loss_fn))
-            batch = prepare_step(input_, mode=value.mode, divisor=value.divisor, dp_group=mpu.get_data_parallel_group())
-            return super().train_batch(batch, exact_value_loss_fn(loss_fn, value), loss_weight_fn)
+            return self._exact_step(input_, exact_value_loss_fn(loss_fn, value), loss_weight_fn, mode=value.mode,
+                                    divisor=value.divisor)
 
-    PGAggMegatronPPOCritic.__module__ = __name__
-    PGAggMegatronPPOCritic.__qualname__ = "PGAggMegatronPPOCritic"
-    globals()["PGAggMegatronPPOCritic"] = PGAggMegatronPPOCritic
-    return PGAggMegatronPPOCritic
+    return _built(PGAggMegatronPPOCritic)
 
 
 def __getattr__(name: str):

@@ -300,7 +300,8 @@ from areal.engine import MegatronPPOCritic as critic  # what AReaL's trainer imp
 assert critic is not own_critic and issubclass(critic, own_critic)
 paths = [k.__module__ + "." + k.__name__ for k in (chosen, critic)]  # what its single-controller workers import
 code = ("from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
-        "import importlib; [print('CLASS', c.__mro__[1].__module__, c.__mro__[1].__name__) for c in "
+        "import importlib; areal = lambda c: next(b for b in c.__mro__ if b.__module__.startswith('areal.')); "
+        "[print('CLASS', areal(c).__module__, areal(c).__name__) for c in "
         "(getattr(importlib.import_module(p.rpartition('.')[0]), p.rpartition('.')[2]) for p in %r)]" % paths)
 out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 found = [line for line in out.stdout.splitlines() if line.startswith("CLASS ")]
