@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_pg_agg.core.modes import PROMPT_MEAN
+
 from .nemo_rl_loss import PGAggLossFn
 from .nemo_rl_weights import NemoRLObjective, prompt_groups, step_fields
 
@@ -115,7 +117,7 @@ def config_problems(master_config, objective: NemoRLObjective) -> list:
                         "sequence leaves the numerator and keeps its place in the denominator: set "
                         f"loss_fn.{BLOCK}.seq_logprob_error_threshold={threshold} instead (the same rejection, "
                         "NeMo-RL's own compute_and_apply_seq_logprob_error_masking)")
-    if objective.mode == "prompt_mean":
+    if objective.mode == PROMPT_MEAN:
         gbs = _get(master_config, "policy", "train_global_batch_size")
         group = _get(master_config, "grpo", "num_generations_per_prompt")
         if gbs and group and gbs % group:
@@ -178,7 +180,7 @@ def step_batch(data, loss: PGAggLossFn, gbs: int):
     """``data`` (NeMo-RL's training batch on the driver) with the plug-in's fields added, computed over
     each optimizer step of ``gbs`` rows (a new ``BatchedDataDict``; the caller's is left as it was)."""
     objective = loss.objective
-    groups = prompt_groups(data["input_ids"], data["token_mask"]) if objective.mode == "prompt_mean" else None
+    groups = prompt_groups(data["input_ids"], data["token_mask"]) if objective.mode == PROMPT_MEAN else None
     rewards = data["rewards"] if loss.nll_weight > 0 and "rewards" in data else None
     fields = step_fields(data["token_mask"].cpu(), data["sample_mask"].cpu(), gbs=gbs, objective=objective,
                          sequence_level=loss.sequence_level, groups=groups,

@@ -1,5 +1,6 @@
-"""What every NeMo-RL CPU stand-in shares: the CPU-only refusal, the NeMo-RL release check and the
-release ranges they were written against."""
+"""What every NeMo-RL CPU stand-in shares: the CPU-only refusal, the NeMo-RL release check, the
+release ranges they were written against, and :func:`stand_in`, which builds each one's ``PATCH``
+from them."""
 from __future__ import annotations
 
 import importlib
@@ -43,3 +44,11 @@ def require_nemo_rl(name: str):
                                f"({nemo_rl.__file__}) is {version}; nothing was patched.")
 
     return verify
+
+
+def stand_in(name: str, why: str, *targets: Target, precondition=None) -> Patch:
+    """A NeMo-RL CPU stand-in's ``Patch``: ``targets`` under the megatron-core range
+    :data:`SUPPORTED_MEGATRON_CORE`, refused where CUDA is available (``precondition``, when given,
+    must call ``require_cpu(name)`` itself) and where the NeMo-RL on ``sys.path`` is out of range."""
+    return Patch(name=name, supported=SUPPORTED_MEGATRON_CORE, why=why,
+                 precondition=precondition or require_cpu(name), verify=require_nemo_rl(name), targets=targets)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 
-from ._nemo_rl_common import SUPPORTED_MEGATRON_CORE, Patch, Target, require_cpu, require_nemo_rl
+from ._nemo_rl_common import Target, stand_in
 
 NAME = "nemo_rl_mcore_fsdp_adapter_names"
 ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
@@ -58,11 +58,4 @@ def _make_module_class(original: type) -> type:
     return type("McoreFsdpAdapterWithV1V2Names", (original,), {"__getattr__": __getattr__, "__module__": __name__})
 
 
-PATCH = Patch(
-    name=NAME,
-    supported=SUPPORTED_MEGATRON_CORE,
-    why=__doc__,
-    precondition=require_cpu(NAME),
-    verify=require_nemo_rl(NAME),
-    targets=(Target(ADAPTER, "__class__", _make_module_class, releases="<0.20"),),
-)
+PATCH = stand_in(NAME, __doc__, Target(ADAPTER, "__class__", _make_module_class, releases="<0.20"))

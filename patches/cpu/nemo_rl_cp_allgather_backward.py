@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._nemo_rl_common import SUPPORTED_MEGATRON_CORE, Patch, Target, require_cpu, require_nemo_rl
+from ._nemo_rl_common import Target, stand_in
 
 NAME = "nemo_rl_cp_allgather_backward"
 
@@ -57,11 +57,5 @@ def _make_backward(original):
     return backward
 
 
-PATCH = Patch(
-    name=NAME,
-    supported=SUPPORTED_MEGATRON_CORE,
-    why=__doc__,
-    precondition=require_cpu(NAME),
-    verify=require_nemo_rl(NAME),
-    targets=(Target("nemo_rl.distributed.model_utils", "AllGatherCPTensor.backward", _make_backward),),
-)
+PATCH = stand_in(NAME, __doc__,
+                 Target("nemo_rl.distributed.model_utils", "AllGatherCPTensor.backward", _make_backward))

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._nemo_rl_common import SUPPORTED_MEGATRON_CORE, Patch, Target, cpu_torch, require_cpu, require_nemo_rl
+from ._nemo_rl_common import Target, cpu_torch, stand_in
 
 NAME = "nemo_rl_cuda_iterator"
 DATA = "nemo_rl.models.megatron.data"
@@ -77,11 +77,4 @@ def _make_iterator(original):
     return make_processed_microbatch_iterator
 
 
-PATCH = Patch(
-    name=NAME,
-    supported=SUPPORTED_MEGATRON_CORE,
-    why=__doc__,
-    precondition=require_cpu(NAME),
-    verify=require_nemo_rl(NAME),
-    targets=(Target(DATA, "make_processed_microbatch_iterator", _make_iterator),),
-)
+PATCH = stand_in(NAME, __doc__, Target(DATA, "make_processed_microbatch_iterator", _make_iterator))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sys
 
-from ._nemo_rl_common import SUPPORTED_MEGATRON_CORE, Patch, Target, cpu_torch, require_cpu, require_nemo_rl
+from ._nemo_rl_common import Target, cpu_torch, require_cpu, stand_in
 
 NAME = "nemo_rl_global_batch_counts"
 DATA = "nemo_rl.models.megatron.data"
@@ -48,11 +48,6 @@ def _precondition() -> None:
             f"process_global_batch; apply the NeMo-RL CPU stand-ins before importing the worker. Nothing was patched.")
 
 
-PATCH = Patch(
-    name=NAME,
-    supported=SUPPORTED_MEGATRON_CORE,
-    why=__doc__,
-    precondition=_precondition,
-    verify=require_nemo_rl(NAME),
-    targets=(Target(DATA, "process_global_batch", cpu_torch.under_mode(cpu_torch._TensorCudaIsIdentity)),),
-)
+PATCH = stand_in(NAME, __doc__,
+                 Target(DATA, "process_global_batch", cpu_torch.under_mode(cpu_torch._TensorCudaIsIdentity)),
+                 precondition=_precondition)

@@ -27,7 +27,7 @@ TARGETS (NeMo-RL 0.6.0 @ 7ea279a; megatron-core 0.19)
 """
 from __future__ import annotations
 
-from ._nemo_rl_common import SUPPORTED_MEGATRON_CORE, Patch, Target, cpu_torch, require_cpu, require_nemo_rl
+from ._nemo_rl_common import Target, cpu_torch, stand_in
 
 NAME = "nemo_rl_policy_worker_cuda"
 WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker"
@@ -39,11 +39,4 @@ def _make_worker_torch(original):
     return proxy
 
 
-PATCH = Patch(
-    name=NAME,
-    supported=SUPPORTED_MEGATRON_CORE,
-    why=__doc__,
-    precondition=require_cpu(NAME),
-    verify=require_nemo_rl(NAME),
-    targets=(Target(WORKER, "torch", _make_worker_torch),),
-)
+PATCH = stand_in(NAME, __doc__, Target(WORKER, "torch", _make_worker_torch))

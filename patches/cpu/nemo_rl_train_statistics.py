@@ -21,15 +21,8 @@ TARGETS (NeMo-RL 0.6.0 @ 7ea279a; megatron-core 0.19)
 """
 from __future__ import annotations
 
-from ._nemo_rl_common import SUPPORTED_MEGATRON_CORE, Patch, Target, cpu_torch, require_cpu, require_nemo_rl
+from ._nemo_rl_common import Target, cpu_torch, stand_in
 
 NAME = "nemo_rl_train_statistics"
 
-PATCH = Patch(
-    name=NAME,
-    supported=SUPPORTED_MEGATRON_CORE,
-    why=__doc__,
-    precondition=require_cpu(NAME),
-    verify=require_nemo_rl(NAME),
-    targets=(Target("nemo_rl.models.megatron.train", "torch", cpu_torch.make_torch_proxy()),),
-)
+PATCH = stand_in(NAME, __doc__, Target("nemo_rl.models.megatron.train", "torch", cpu_torch.make_torch_proxy()))
