@@ -73,8 +73,8 @@ def _roles(args) -> list:
 
 
 _ROLE_ARGS: dict = {}
-"""``(id(args), path, role) -> (args, role args)``: the hook runs every rollout; slime parses (and logs)
-the roles once, at start-up."""
+"""``(path, role) -> (args, role args)`` of the last base args seen: the hook runs every rollout with
+the same args; slime parses (and logs) the roles once, at start-up."""
 
 
 def role_args(args, role: str):
@@ -83,12 +83,12 @@ def role_args(args, role: str):
     path = getattr(args, "megatron_config_path", None)
     if not path:
         return args
-    key = (id(args), path, role)
-    if key not in _ROLE_ARGS or _ROLE_ARGS[key][0] is not args:
+    cached = _ROLE_ARGS.get((path, role))
+    if cached is None or cached[0] is not args:
         from slime.utils.arguments import parse_megatron_role_args  # noqa: PLC0415
 
-        _ROLE_ARGS[key] = (args, parse_megatron_role_args(args, path, role=role))
-    return _ROLE_ARGS[key][1]
+        cached = _ROLE_ARGS[(path, role)] = (args, parse_megatron_role_args(args, path, role=role))
+    return cached[1]
 
 
 def config_problems(args) -> list:
