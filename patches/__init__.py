@@ -43,6 +43,9 @@ CPU stand-ins (patches/cpu: CPU-only, each refuses to apply where CUDA is availa
     tensor-parallel layers and GPTModel on CPU with gloo by redirecting megatron-core's CUDA
     buffers, synchronisation, causal mask, RNG tracker and ``Tensor.cuda()`` (tied embeddings,
     PP > 1) to the CPU. Targets and reasons are listed in its module docstring.
+    ``optimizer_cpu`` (:mod:`.cpu.optimizer_cpu`): megatron-core's mixed-precision (``--bf16``) and
+    distributed (``--use-distributed-optimizer``) optimizers on CPU (the CUDA type strings they sort
+    parameters by); the trainer and the Megatron-LM entries apply it on CPU.
     ``megatron_lm_cpu`` (:mod:`.cpu.megatron_lm_cpu`), same checkout check as ``megatron_lm_log``:
     lets Megatron-LM's own ``pretrain()`` run on CPU (device-'cuda' counters, streams, memory
     stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a stand-in for the one
@@ -54,9 +57,9 @@ CPU stand-ins (patches/cpu: CPU-only, each refuses to apply where CUDA is availa
     (``allow_no_cuda``, the CUDA spots of its set-up, loop and loaders).
     AReaL's Megatron engine on CPU (tests): :func:`.cpu.areal_cpu.apply_areal_cpu_patches` applies
     ``cpu_gloo`` and the stand-ins ``areal_engine_cpu``, ``mbridge_pins``, ``mbridge_cpu``,
-    ``areal_mbridge_dtype``, ``distrib_optimizer_cpu`` (docs/areal.md).
+    ``areal_mbridge_dtype``, ``optimizer_cpu`` (docs/areal.md).
     NeMo-RL's Megatron training path on CPU (tests): :func:`.cpu.nemo_rl_cpu.apply_nemo_rl_cpu_patches`
-    applies ``cpu_gloo``, ``bridge_cpu``, ``bridge_loop_cpu``, ``distrib_optimizer_cpu`` and the
+    applies ``cpu_gloo``, ``bridge_cpu``, ``bridge_loop_cpu``, ``optimizer_cpu`` and the
     stand-ins ``mcore_fsdp_adapter_names``, ``nemo_rl_cuda_iterator``, ``nemo_rl_global_batch_counts``,
     ``nemo_rl_train_statistics``, ``nemo_rl_cp_allgather_backward``, ``nemo_rl_policy_worker_cuda``;
     :mod:`.cpu.te_cp_thd_attention` is a core attention for its context parallelism without
@@ -74,7 +77,7 @@ from __future__ import annotations
 
 from . import _machinery, megatron_lm_log, megatron_rl, moe_aux_loss, mtp_loss, verl_engine
 from ._machinery import Patch, Target, is_applied
-from .cpu import bridge_cpu, bridge_loop_cpu, cpu_gloo, megatron_lm_cpu, megatron_rl_cpu
+from .cpu import bridge_cpu, bridge_loop_cpu, cpu_gloo, megatron_lm_cpu, megatron_rl_cpu, optimizer_cpu
 
 __all__ = [
     "PATCHES",
@@ -88,6 +91,7 @@ __all__ = [
 
 PATCHES: dict[str, Patch] = {
     cpu_gloo.NAME: cpu_gloo.PATCH,
+    optimizer_cpu.NAME: optimizer_cpu.PATCH,
     megatron_lm_cpu.NAME: megatron_lm_cpu.PATCH,
     megatron_lm_log.NAME: megatron_lm_log.PATCH,
     moe_aux_loss.NAME: moe_aux_loss.PATCH,
@@ -101,7 +105,7 @@ PATCHES: dict[str, Patch] = {
 """Every known patch, by name, in application order."""
 
 
-def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = False,
+def apply_megatron_patches(*, cpu_gloo: bool = True, optimizer_cpu: bool = False, megatron_lm_cpu: bool = False,
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
                            mtp_loss: bool = False, megatron_rl: bool = False,
                            megatron_rl_cpu: bool = False, bridge_cpu: bool = False,
@@ -112,7 +116,8 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, megatron_lm_cpu: bool = Fal
     release) and its targets before touching anything, so a failure raises ``RuntimeError`` with
     megatron-core and Megatron-LM unchanged by that patch.
     """
-    wanted = {"cpu_gloo": cpu_gloo, "megatron_lm_cpu": megatron_lm_cpu, "megatron_lm_log": megatron_lm_log,
+    wanted = {"cpu_gloo": cpu_gloo, "optimizer_cpu": optimizer_cpu, "megatron_lm_cpu": megatron_lm_cpu,
+              "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
               "megatron_rl_cpu": megatron_rl_cpu, "bridge_cpu": bridge_cpu,
               "bridge_loop_cpu": bridge_loop_cpu, "verl_engine": verl_engine}

@@ -1,5 +1,15 @@
 """The trainer's checkpoints: one file per rank under ``iter_XXXXXXX/`` and a ``latest`` marker
-written last, so an interrupted save never replaces a usable checkpoint."""
+written last, so an interrupted save never replaces a usable checkpoint.
+
+With ``--use-distributed-optimizer`` each rank's optimizer state is its shard: for each
+distributed optimizer of the chain, its torch optimizer's ``state_dict()`` (Adam's moments and
+step over this rank's shard of the main parameters) and the fp32 main-parameter shards of 16-bit
+parameters (``--bf16``; an fp32 run's shards are views of the parameters saved with the model).
+megatron-core's own ``save_parameter_state`` gathers only ``param``/``exp_avg``/``exp_avg_sq``
+and its load fails on torch's Adam (the fallback without Transformer Engine or apex), whose state
+also holds ``step`` (``KeyError: 'step'``, megatron-core 0.16.1). Like the rest of the file, a
+shard is restored on the same layout. The parameters must be current when saved
+(:func:`~megatron_pg_agg.megatron.model.gather_parameters`, ``--overlap-param-gather``)."""
 from __future__ import annotations
 
 import os
@@ -19,7 +29,7 @@ def save_checkpoint(directory: str, iteration: int, model, optimizer, rank: int,
     state = {
         "iteration": iteration,
         "model": [chunk.state_dict() for chunk in model],
-        "optimizer": optimizer.state_dict(),
+        "optimizer": _sharded_state(optimizer) if _sharded(model) else optimizer.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         **extra,
     }
@@ -43,7 +53,36 @@ def load_checkpoint(directory: str, model, optimizer, rank: int) -> dict:
     state = torch.load(path, map_location="cpu", weights_only=True)
     for chunk, sd in zip(model, state["model"]):
         chunk.load_state_dict(sd)
-    optimizer.load_state_dict(state["optimizer"])
+    if _sharded(model):
+        _load_sharded_state(optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     return state
+
+
+def _sharded(model) -> bool:
+    """Whether the optimizer over ``model`` is megatron-core's distributed optimizer."""
+    return bool(model[0].ddp_config.use_distributed_optimizer)
+
+
+def _distributed_optimizers(optimizer) -> list:
+    """The distributed optimizers of megatron-core's (chained) optimizer, in order."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _sharded_state(optimizer) -> list:
+    """This rank's shard of the optimizer state (the module docstring says what and why)."""
+    return [{"inner": opt.optimizer.state_dict(),
+             "main": [[p.detach().clone() for p in group] for group in opt.shard_fp32_from_float16_groups]}
+            for opt in _distributed_optimizers(optimizer)]
+
+
+def _load_sharded_state(optimizer, states: list) -> None:
+    """Restore :func:`_sharded_state` in place."""
+    for opt, saved in zip(_distributed_optimizers(optimizer), states):
+        opt.optimizer.load_state_dict(saved["inner"])
+        for group, values in zip(opt.shard_fp32_from_float16_groups, saved["main"]):
+            for param, value in zip(group, values):
+                param.data.copy_(value)

@@ -157,6 +157,10 @@ def startup_problems(args, *, cuda: bool, megatron_core: str, mtp: bool = True) 
                         "the global weight; drop it.")
     if mtp and args.mtp_num_layers:
         problems.extend(_mtp_problems(args, megatron_core))
+    if args.fp16:
+        problems.append("--fp16 is not supported with the policy-gradient loss: its dynamic loss scale skips "
+                        "overflowing iterations, and that path has not been checked exact here (megatron-core's "
+                        "grad scaler is CUDA-only, so no CPU test runs it); use --bf16, which needs no loss scale.")
     if args.pg_skip_nonfinite_steps:
         problems.append("--pg-skip-nonfinite-steps belongs to launch/train_actor.py; in Megatron-LM a "
                         "non-finite loss or gradient is handled by its own --check-for-nan-in-loss-and-grad "
@@ -169,8 +173,6 @@ def startup_problems(args, *, cuda: bool, megatron_core: str, mtp: bool = True) 
             (args.transformer_impl != "local", "--transformer-impl local (Transformer Engine needs CUDA)"),
             (args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
             (not args.no_persist_layer_norm, "--no-persist-layer-norm"),
-            (args.bf16 or args.fp16,
-             "no --bf16/--fp16 (megatron-core's mixed-precision optimizer wraps CUDA tensors only)"),
             (args.context_parallel_size > 1, "--context-parallel-size 1 (CP attention needs Transformer Engine)"),
             (args.sequence_parallel, "no --sequence-parallel (the local spec's torch norms refuse it)"),
         ]
@@ -387,6 +389,8 @@ def run(argv: list) -> int:
     problems = startup_problems(args, cuda=cuda, megatron_core=installed_megatron_core_version())
     if problems:
         raise StartupError(problems)
+    # Megatron's --bf16 and --use-distributed-optimizer on CPU: the optimizers' CUDA type strings
+    apply_megatron_patches(cpu_gloo=False, optimizer_cpu=not cuda and (args.bf16 or args.use_distributed_optimizer))
     if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
         apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
     if args.mtp_num_layers:  # the MTP loss is a token mean over the step's valid tokens in every mode

@@ -385,6 +385,8 @@ def run(argv: list) -> int:
         problems.append(str(err))
     if problems:
         raise StartupError(problems)
+    # Megatron's --bf16 and --use-distributed-optimizer on CPU: the optimizers' CUDA type strings
+    apply_megatron_patches(cpu_gloo=False, optimizer_cpu=not cuda and (args.bf16 or args.use_distributed_optimizer))
     for line in translations:
         logger.info(f"loss flag: {line}")
 

@@ -232,7 +232,13 @@ class CollectionPlanner:
         from megatron.rl import rl_utils
         from megatron.training import get_args
 
+        from megatron_pg_agg.megatron.model import gather_parameters
+
         args = get_args()
+        # --overlap-param-gather: the last optimizer step updated only this rank's shards, and the
+        # forward pre-hooks of this collection's passes would not gather them (already dispatched
+        # in that step's forward): gather before any log-prob pass or state_dict read
+        gather_parameters(model)
         groups = [list(g) for g in rollouts]
         self._check_groups(groups)
         group_stats = rl_utils.compute_group_stats(rollouts, tokenizer, args.seq_length)

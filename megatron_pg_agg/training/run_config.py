@@ -87,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--vocab-size", type=int, default=128, help="must cover every token id of the rollouts")
     model.add_argument("--max-position-embeddings", type=int, default=256)
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    model.add_argument("--bf16", action="store_true", help="bf16 parameters and compute (fp32 grads/optimizer)")
     par = parser.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -100,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="batched pipeline p2p (refused with the interleaved schedule on gloo)")
     par.add_argument("--no-calculate-per-token-loss", dest="calculate_per_token_loss", action="store_false",
                      help="(refused) Megatron's default mean-of-microbatch-means")
+    _add_precision_and_ddp_args(parser)
     moe = parser.add_argument_group("mixture of experts (Megatron-style; every layer's MLP is a MoE layer)")
     moe.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense model)")
     moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (>= 2)")
@@ -138,6 +138,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_ahead_arg(train)
     add_pg_agg_args(parser)
     return parser
+
+
+def _add_precision_and_ddp_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags of the configuration large models train with (the same names and
+    meanings; docs/trainer.md, "Precision and data-parallel communication")."""
+    group = parser.add_argument_group(
+        "precision and data-parallel communication (Megatron-LM's flags; docs/trainer.md)")
+    group.add_argument("--bf16", action="store_true",
+                       help="bf16 parameters and compute; gradients accumulate into fp32 main gradients and "
+                            "Adam steps fp32 main parameters (megatron-core's mixed-precision optimizer), as "
+                            "Megatron-LM's --bf16. Default: fp32 throughout")
+    group.add_argument("--fp16", action="store_true",
+                       help="(refused) fp16 needs a dynamic loss scale that skips overflowing steps; use --bf16")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="shard the fp32 main parameters and Adam's moments over the data-parallel ranks "
+                            "(ZeRO-1): gradients are reduce-scattered, each rank steps its shard, and the "
+                            "updated parameters are all-gathered. Default: every rank holds the whole optimizer")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="reduce gradient buckets while the backward pass still runs (after the last "
+                            "microbatch's gradients of a bucket are ready). Default: one reduction after backward")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="all-gather the updated parameters during the next forward pass, bucket by bucket "
+                            "(needs --use-distributed-optimizer and --overlap-grad-reduce). Default: gathered "
+                            "right after the optimizer step")
+    group.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                       help="parameters per gradient bucket with --overlap-grad-reduce (default megatron-core's: "
+                            "max(40M, 1M x DP))")
 
 
 _UNSET = object()
@@ -201,7 +228,7 @@ def _hf_model_config(ns: argparse.Namespace) -> "ModelConfig":
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
         max_position_embeddings=shape.max_position_embeddings,
-        untie_embeddings_and_output_weights=not shape.tie_embeddings, bf16=ns.bf16,
+        untie_embeddings_and_output_weights=not shape.tie_embeddings, bf16=ns.bf16, fp16=ns.fp16,
         moe=MoEConfig(num_experts=shape.num_experts, router_topk=shape.router_topk or ns.moe_router_topk,
                       aux_loss_coeff=ns.moe_aux_loss_coeff, z_loss_coeff=ns.moe_z_loss_coeff,
                       token_dispatcher_type=ns.moe_token_dispatcher_type),
@@ -253,7 +280,10 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     """Separate input embedding and output layer weights (``--untie-embeddings-and-output-weights``)."""
     bf16: bool = False
-    """bf16 parameters and compute, fp32 gradients and optimizer (``--bf16``; CUDA only)."""
+    """bf16 parameters and compute, fp32 main gradients and optimizer (``--bf16``; on CPU through the
+    ``optimizer_cpu`` stand-in)."""
+    fp16: bool = False
+    """``--fp16``: refused (:meth:`RunConfig.startup_problems` says why)."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts settings (dense when ``moe.num_experts`` is None)."""
     mtp_num_layers: Optional[int] = None
@@ -295,6 +325,18 @@ class ParallelConfig:
     calculate_per_token_loss: bool = True
     """megatron-core's per-token loss contract (``--no-calculate-per-token-loss`` turns it off,
     which is refused: it averages microbatch means instead of the chosen objective)."""
+    use_distributed_optimizer: bool = False
+    """megatron-core's distributed optimizer (``--use-distributed-optimizer``): main parameters and
+    Adam's moments sharded over DP, gradients reduce-scattered, parameters all-gathered."""
+    overlap_grad_reduce: bool = False
+    """Gradient buckets reduced during the backward pass (``--overlap-grad-reduce``)."""
+    overlap_param_gather: bool = False
+    """Updated parameters all-gathered during the next forward pass (``--overlap-param-gather``; needs
+    the two above). Weights read between steps are gathered first (the trainer's checkpoints,
+    checksum and HF folders)."""
+    ddp_bucket_size: Optional[int] = None
+    """Parameters per gradient bucket (``--ddp-bucket-size``, with ``overlap_grad_reduce``); None:
+    megatron-core's default."""
 
     @property
     def model_parallel_size(self) -> int:
@@ -459,7 +501,7 @@ class RunConfig:
                 ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size,
                 num_attention_heads=ns.num_attention_heads, vocab_size=ns.vocab_size,
                 max_position_embeddings=ns.max_position_embeddings,
-                untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights, bf16=ns.bf16,
+                untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights, bf16=ns.bf16, fp16=ns.fp16,
                 moe=MoEConfig(num_experts=ns.num_experts, router_topk=ns.moe_router_topk,
                               aux_loss_coeff=ns.moe_aux_loss_coeff, z_loss_coeff=ns.moe_z_loss_coeff,
                               token_dispatcher_type=ns.moe_token_dispatcher_type),
@@ -471,6 +513,8 @@ class RunConfig:
                 cp=ns.context_parallel_size, ep=ns.expert_model_parallel_size,
                 sequence_parallel=ns.sequence_parallel, distributed_timeout_minutes=ns.distributed_timeout_minutes,
                 batch_p2p_comm=ns.batch_p2p_comm, calculate_per_token_loss=ns.calculate_per_token_loss,
+                use_distributed_optimizer=ns.use_distributed_optimizer, overlap_grad_reduce=ns.overlap_grad_reduce,
+                overlap_param_gather=ns.overlap_param_gather, ddp_bucket_size=ns.ddp_bucket_size,
             ),
             loss=loss,
             data=DataConfig.from_args(ns),
@@ -568,9 +612,7 @@ class RunConfig:
         if not te and cp > 1:
             problems.append("--context-parallel-size > 1 needs Transformer Engine's THD attention (GPU); on CPU "
                             "the CP loss side is covered by the parity suite")
-        if model.bf16 and backend == "gloo":
-            problems.append("--bf16 needs CUDA: megatron-core's mixed-precision optimizer only wraps CUDA "
-                            "bf16 parameters (run fp32 on CPU)")
+        problems.extend(self._precision_and_ddp_problems())
         problems.extend(self._moe_problems(world_size, te=te))
         problems.extend(self._mtp_problems())
         ckpt = self.checkpoint
@@ -593,6 +635,26 @@ class RunConfig:
             problems.append(f"--load {ckpt.load}: no such directory")
         if self.data.rollouts and not os.path.isfile(self.data.rollouts):
             problems.append(f"--rollouts {self.data.rollouts}: no such file")
+        return problems
+
+    def _precision_and_ddp_problems(self) -> list:
+        """``--fp16``, and the distributed optimizer's and the overlaps' combinations (Megatron-LM's
+        own rules: the parameter gather overlaps only a sharded optimizer's, after overlapped
+        gradient reductions)."""
+        model, par = self.model, self.parallel
+        problems = []
+        if model.fp16:
+            problems.append("--fp16 is not supported: fp16 needs a dynamic loss scale that skips a step on overflow, "
+                            "which this trainer does not run (and megatron-core's grad scaler is CUDA-only); use "
+                            "--bf16, which needs no loss scale")
+        if model.fp16 and model.bf16:
+            problems.append("--bf16 and --fp16 exclude each other")
+        if par.overlap_param_gather and not (par.use_distributed_optimizer and par.overlap_grad_reduce):
+            problems.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+                            "(as in Megatron-LM)")
+        if par.ddp_bucket_size is not None and (par.ddp_bucket_size < 1 or not par.overlap_grad_reduce):
+            problems.append("--ddp-bucket-size needs --overlap-grad-reduce and a value >= 1 (without the overlap "
+                            "the gradients are reduced as one bucket)")
         return problems
 
     def _hf_problems(self) -> list:

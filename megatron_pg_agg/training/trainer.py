@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from megatron_pg_agg.core.losses import correction_values
@@ -40,6 +41,7 @@ from megatron_pg_agg.megatron.logprob_pass import planned_logprobs, with_current
 from megatron_pg_agg.megatron.model import (
     build_model_chunks,
     default_ddp_config,
+    gather_parameters,
     hf_contract_settings,
     te_usable,
     transformer_config,
@@ -171,8 +173,11 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None) -> Session:
     # cpu_gloo: CPU/gloo shim (MoE layers included); moe_aux_loss: router aux/z losses keep
     # Megatron's default strength under the per-token contract (patches/moe_aux_loss.py)
     # mtp_loss: the MTP loss is a token mean over the step's valid tokens (patches/mtp_loss.py)
+    # optimizer_cpu: megatron-core's mixed-precision and distributed optimizers on CPU (the type
+    # strings they sort parameters by); a GPU runs them unpatched
     apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled,
-                           mtp_loss=cfg.model.mtp_num_layers is not None)
+                           mtp_loss=cfg.model.mtp_num_layers is not None,
+                           optimizer_cpu=not cuda and (cfg.model.bf16 or par.use_distributed_optimizer))
     init_distributed(backend=backend, timeout_s=par.distributed_timeout_minutes * 60)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -209,7 +214,8 @@ def new_optimizer(cfg: RunConfig, model: list) -> MegatronOptimizer:
     return get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                         clip_grad=train_cfg.clip_grad, bf16=cfg.model.bf16,
-                        params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32), model)
+                        params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+                        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer), model)
 
 
 def step_key(steps: dict, iteration: int):
@@ -271,11 +277,29 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> list:
                                     share_embeddings_and_output_weights=tied)
     if cuda:
         chunks = [c.cuda() for c in chunks]
-    ddp_config = default_ddp_config(grad_reduce_in_fp32=True)
-    model = wrap_in_ddp(chunks, config, ddp_config)
+    if model_cfg.bf16:
+        # as Megatron-LM's get_model: every parameter bf16 (the local spec's torch norms are built
+        # fp32, and megatron-core's distributed optimizer mis-maps a group that mixes dtypes), the
+        # last stage's logits handed to the loss in fp32
+        chunks = [Float16Module(config, c) for c in chunks]
+    model = wrap_in_ddp(chunks, config, ddp_config(cfg))
     config.finalize_model_grads_func = finalize_model_grads
-    check_megatron_config(config, ddp_config, backend=backend)
+    check_megatron_config(config, model[0].ddp_config, backend=backend)
     return model
+
+
+def ddp_config(cfg: RunConfig):
+    """megatron-core DDP settings of the run, as Megatron-LM makes them from the same flags: fp32
+    main gradients (Megatron-LM forces them with --bf16; here always), the distributed optimizer,
+    the two overlaps, the parameter gather aligned across pipeline stages only under the
+    interleaved schedule (Megatron-LM turns ``align_param_gather`` off elsewhere), and the bucket
+    size (``--ddp-bucket-size``, else megatron-core's default; one bucket without overlap)."""
+    par = cfg.parallel
+    return default_ddp_config(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=par.use_distributed_optimizer,
+        overlap_grad_reduce=par.overlap_grad_reduce, overlap_param_gather=par.overlap_param_gather,
+        align_param_gather=par.overlap_param_gather and cfg.virtual_pipeline_size is not None,
+        bucket_size=par.ddp_bucket_size if par.overlap_grad_reduce else None)
 
 
 def _resume(load, model, optimizer, rank: int) -> RunState:
@@ -378,6 +402,7 @@ def close(s: Session, record: dict) -> dict:
         _save(s)
     if ckpt.save_hf and not ckpt.interval_save_hf_due(state.iteration):
         _save_hf(s)
+    gather_parameters(s.model)  # --overlap-param-gather: the last step's shards, before reading them
     checksum = _param_checksum(s.model)
     if s.rank == 0:
         record["param_checksum"] = checksum
@@ -412,6 +437,7 @@ def train(cfg: RunConfig) -> dict:
 
 def _save(s: Session) -> None:
     """This iteration's checkpoint under ``--save`` (with the skipped-step count)."""
+    gather_parameters(s.model)
     save_checkpoint(s.cfg.checkpoint.save, s.state.iteration, s.model, s.optimizer, s.rank,
                     {"skipped": s.state.skipped, "run_id": s.state.run_id})
 
@@ -419,5 +445,6 @@ def _save(s: Session) -> None:
 def _save_hf(s: Session) -> None:
     """The live model as an HF folder under ``--save-hf`` (every rank exports; rank 0 writes)."""
     t0 = time.perf_counter()
+    gather_parameters(s.model)
     out = open_model_source("hf", s.cfg.model.hf_model).save(s.model, s.cfg.checkpoint.save_hf, rank=s.rank)
     logger.info(f"iteration {s.state.iteration}: wrote the HF folder {out} ({time.perf_counter() - t0:.1f} s)")

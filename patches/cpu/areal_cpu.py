@@ -13,7 +13,7 @@ What runs is AReaL's own ``MegatronPPOActor`` (its config dataclasses, ``create_
 * :mod:`.mbridge_cpu` (megatron-core's local layers with the project's THD attention, their
   parameter names, no ``.cuda()``),
 * :mod:`.areal_mbridge_dtype` (AReaL's ``dtype`` reaches mbridge's config),
-* :mod:`.distrib_optimizer_cpu` (the distributed optimizer's CUDA type strings).
+* :mod:`.optimizer_cpu` (the distributed optimizer's CUDA type strings).
 
 Each is a :class:`~megatron_pg_agg.patches._machinery.Patch` (version-checked, resolved before
 anything is touched, wrappers only, revertible with ``revert_megatron_patches()``) and refuses to
@@ -28,13 +28,13 @@ from . import (
     areal_engine_cpu,
     areal_mbridge_dtype,
     cpu_gloo,
-    distrib_optimizer_cpu,
     mbridge_cpu,
     mbridge_pins,
+    optimizer_cpu,
 )
 
 PATCHES = (cpu_gloo.PATCH, areal_engine_cpu.PATCH, mbridge_pins.PATCH, mbridge_cpu.PATCH, areal_mbridge_dtype.PATCH,
-           distrib_optimizer_cpu.PATCH)
+           optimizer_cpu.PATCH)
 """In application order (``areal_engine_cpu`` stands in ``megatron.bridge`` before any target in
 ``areal.engine.megatron_engine`` is resolved)."""
 

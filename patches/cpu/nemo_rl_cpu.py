@@ -16,7 +16,7 @@ schedule, DDP and (distributed) optimizer, on gloo, in float32, with:
   after every step),
 * :mod:`.mcore_fsdp_adapter_names` (the worker imports ``FullyShardedDataParallelV1/V2``, names of
   megatron-core 0.20; 0.19 has neither),
-* :mod:`.distrib_optimizer_cpu` (the distributed optimizer's CUDA type strings),
+* :mod:`.optimizer_cpu` (the distributed optimizer's CUDA type strings),
 * :mod:`.nemo_rl_cuda_iterator` (the micro-batch iterator's ``.to("cuda")``),
 * :mod:`.nemo_rl_global_batch_counts` (the step counts' ``.cuda()`` in ``process_global_batch``),
 * :mod:`.nemo_rl_train_statistics` (``device="cuda"`` of the loss statistics in ``train.py``),
@@ -39,17 +39,17 @@ from . import (
     bridge_cpu,
     bridge_loop_cpu,
     cpu_gloo,
-    distrib_optimizer_cpu,
     mcore_fsdp_adapter_names,
     nemo_rl_cp_allgather_backward,
     nemo_rl_cuda_iterator,
     nemo_rl_global_batch_counts,
     nemo_rl_policy_worker_cuda,
     nemo_rl_train_statistics,
+    optimizer_cpu,
 )
 
 PATCHES = (cpu_gloo.PATCH, bridge_cpu.PATCH, bridge_loop_cpu.PATCH, mcore_fsdp_adapter_names.PATCH,
-           distrib_optimizer_cpu.PATCH, nemo_rl_cuda_iterator.PATCH,
+           optimizer_cpu.PATCH, nemo_rl_cuda_iterator.PATCH,
            nemo_rl_global_batch_counts.PATCH,  # before anything imports the worker module
            nemo_rl_train_statistics.PATCH, nemo_rl_cp_allgather_backward.PATCH,
            nemo_rl_policy_worker_cuda.PATCH)  # imports the worker module

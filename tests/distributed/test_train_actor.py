@@ -75,7 +75,9 @@ REFUSALS = {
                                  ["--sequence-parallel needs Transformer Engine", "run on a GPU"]),
     "context-parallel-on-cpu": (["--context-parallel-size", "2"], {"WORLD_SIZE": "2"},
                                 ["--context-parallel-size > 1 needs Transformer Engine's THD attention (GPU)"]),
-    "bf16-on-cpu": (["--bf16"], {}, ["--bf16 needs CUDA", "run fp32 on CPU"]),
+    "fp16": (["--fp16"], {}, ["--fp16 is not supported", "loss scale", "use --bf16"]),
+    "param-gather-without-sharding": (["--overlap-param-gather", "--overlap-grad-reduce"], {},
+                                      ["--overlap-param-gather needs --use-distributed-optimizer"]),
     "missing-rollout-file": (["--rollouts", "/nonexistent/steps.jsonl"], {}, ["no such file"]),
     # the built-in rollouts carry no rollout_logprobs
     "correction-without-rollout-logprobs": (["--pg-rollout-correction", "token_truncate"], {},
@@ -116,7 +118,7 @@ def test_a_refusal_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_pat
     docs/failure-modes.md says. A real torchrun (fresh): its report is what is checked. Catches
     the refusal logged on every rank again, or a rank exiting with another status (each rank's own
     status 2 without torchrun: test_invalid_runs_are_refused_before_any_process_group)."""
-    rc, out, _ = run(torchrun(2, TRAIN, "--bf16", "--metrics-file", tmp_path / "m.jsonl"),
+    rc, out, _ = run(torchrun(2, TRAIN, "--fp16", "--metrics-file", tmp_path / "m.jsonl"),
                      240, "refused under torchrun", fresh=True)
     assert rc == 1, out[-5000:]
     assert out.count("[train] refusing to start:") == 1, out[-5000:]

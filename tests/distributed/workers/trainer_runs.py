@@ -14,8 +14,32 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import torch
+
+from megatron_pg_agg.training import trainer
 from megatron_pg_agg.training.cli import main
 from tests.support.batch_runs import announce, exit_status, run_environment, serve
+from tests.support.whole_grads import whole_named_grads, whole_named_params
+
+GRADS_VARIABLE = "PG_AGG_TEST_GRADS"
+
+
+def _dumping_gradients(optimizer_step):
+    """``trainer._optimizer_step`` that first writes the step's whole gradient (see the docstring);
+    the original's own, once (a forked launch may run this module again in the same process)."""
+    optimizer_step = getattr(optimizer_step, "_dumps_from", optimizer_step)
+
+    def dumping_optimizer_step(s, result, pg_weight, key):
+        prefix = os.environ.get(GRADS_VARIABLE)
+        if prefix:
+            grads = whole_named_grads(s.model)
+            torch.save(grads, f"{prefix}.iter{s.state.iteration + 1}.rank{s.rank}.pt")
+            if s.state.iteration == 0:  # the initial weights, for a reference of this layout
+                torch.save(whole_named_params(s.model), f"{prefix}.weights.rank{s.rank}.pt")
+        return optimizer_step(s, result, pg_weight, key)
+
+    dumping_optimizer_step._dumps_from = optimizer_step
+    return dumping_optimizer_step
 
 
 def run_all(runs: list) -> dict:
@@ -46,4 +70,5 @@ def _fresh_rendezvous(agent: tuple, index: int) -> None:
 
 
 if __name__ == "__main__":
+    trainer._optimizer_step = _dumping_gradients(trainer._optimizer_step)
     serve(run_all)

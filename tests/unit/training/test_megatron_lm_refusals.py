@@ -29,6 +29,7 @@ def test_valid_flags_are_accepted_on_cpu_and_gpu():
                      gradient_accumulation_fusion=True, no_persist_layer_norm=False, bf16=True,
                      context_parallel_size=2, sequence_parallel=True) == []
     assert _problems(dataloader_type=None) == []  # unset: the entry sets external
+    assert _problems(bf16=True) == []  # bf16 runs on CPU (the optimizer_cpu stand-in)
     assert _problems(mtp_num_layers=2) == [] and _problems(mtp_num_layers=2, megatron_core="0.19.2") == []
 
 
@@ -43,6 +44,8 @@ def test_valid_flags_are_accepted_on_cpu_and_gpu():
     (dict(mtp_num_layers=1, spec=["x", "y"]), ["--spec with --mtp-num-layers", "UnboundLocalError"]),
     (dict(mtp_num_layers=1, megatron_core="0.15.3"),
      ["--mtp-num-layers", "refuses multi-token prediction with packed sequences", "0.15.3"]),
+    (dict(fp16=True), ["--fp16 is not supported", "dynamic loss scale", "use --bf16"]),
+    (dict(fp16=True, cuda=True, distributed_backend="nccl"), ["--fp16 is not supported"]),
     (dict(pg_skip_nonfinite_steps=True), ["--pg-skip-nonfinite-steps", "--check-for-nan-in-loss-and-grad"]),
     (dict(pg_rollouts="/nonexistent/rollouts.jsonl"), ["--pg-rollouts /nonexistent/rollouts.jsonl: no such file"]),
 ])
@@ -58,8 +61,6 @@ def test_each_refusal_alone(changes, needles):
     (dict(transformer_impl="transformer_engine"), "--transformer-impl local"),
     (dict(gradient_accumulation_fusion=True), "--no-gradient-accumulation-fusion"),
     (dict(no_persist_layer_norm=False), "--no-persist-layer-norm"),
-    (dict(bf16=True), "no --bf16/--fp16"),
-    (dict(fp16=True), "no --bf16/--fp16"),
     (dict(context_parallel_size=2), "--context-parallel-size 1"),
     (dict(sequence_parallel=True), "no --sequence-parallel"),
 ])
@@ -74,10 +75,11 @@ def test_each_cpu_requirement_alone(changes, fix):
 
 def test_every_problem_is_listed_at_once():
     """Several bad flags: every one is reported in the same refusal (none hides another)."""
-    problems = _problems(calculate_per_token_loss=False, micro_batch_size=4, eval_iters=1, bf16=True,
-                         sequence_parallel=True)
-    assert len(problems) == 4
-    assert "no --bf16/--fp16" in problems[-1] and "no --sequence-parallel" in problems[-1]
+    problems = _problems(calculate_per_token_loss=False, micro_batch_size=4, eval_iters=1, fp16=True,
+                         sequence_parallel=True, context_parallel_size=2)
+    assert len(problems) == 5
+    assert "--fp16 is not supported" in problems[3]
+    assert "--context-parallel-size 1" in problems[-1] and "no --sequence-parallel" in problems[-1]
 
 
 def test_mtp_with_learned_positions_is_refused_before_megatron_lm_parses():
