@@ -2,11 +2,11 @@
 
     python -m tests.distributed.workers.trainer_reference SPEC.json OUT.json
 
-SPEC.json: ``{"checkpoint": PATH or null, "weights": [PATH, ...] (optional), "step": K, "flags": [the runs' trainer flags],
-"variants": {name: [more flags]}}``. Builds the trainer's model from the flags (one process, no
-parallelism) with the weights of ``checkpoint`` (rank 0's file of a run's ``--save``), or, for
-null, the seeded initial weights rebuilt as the trainer builds them (seed, then the same
-construction; a run's first iteration starts from them). Then, with no packing, planner,
+SPEC.json: ``{"checkpoint": PATH or null, "weights": [PATH, ...] (optional), "step": K, "flags":
+[the runs' trainer flags], "variants": {name: [more flags]}}``. Builds the trainer's model from the
+flags (one process, no parallelism) with the weights of ``checkpoint`` (rank 0's file of a run's
+``--save``), or, for null, the seeded initial weights rebuilt as the trainer builds them (seed, then
+the same construction; a run's first iteration starts from them). Then, with no packing, planner,
 microbatches or DDP, every response of rollout step K of the built-in set is forwarded ALONE:
 
 - ``tokens``: per rollout, the current policy's ``[log-probs, entropies]`` of its response tokens
