@@ -11,7 +11,9 @@ In the training script, after AReaL's own ``load_expr_config``::
 What it does, in AReaL's own terms (docs/areal.md):
 
 * checks ``config`` and refuses, naming the AReaL keys, what the objective cannot be exact under
-  (:func:`config_problems`), before anything is built;
+  (:func:`actor_problems`, :func:`critic_problems`), before anything is built; the actor and critic
+  classes run the same checks on their own sections when built (as a single-controller worker
+  builds them);
 * writes the mode to ``MEGATRON_PG_AGG_AREAL`` in this process and in every
   ``config.actor.scheduling_spec[i].env_vars`` (and ``config.critic``'s: AReaL's own way to reach its
   engine worker processes and its launcher's trainer processes);
@@ -331,25 +333,51 @@ def _objective(config, mode, divisor, group_baseline, value_mode, value_divisor)
 
 
 def _run_problems(config, objective: ArealObjective) -> list:
-    """:func:`config_problems` of ``config.actor`` and, where a critic is configured,
-    :func:`critic_config_problems` of ``config.critic``, with the run's step shape."""
+    """:func:`actor_problems` of ``config.actor`` and, where a critic is configured,
+    :func:`critic_problems` of ``config.critic``, with the run's step shape."""
     dataset = getattr(config, "train_dataset", None)
     shape = dict(prompts_per_step=getattr(dataset, "batch_size", None),
                  samples_per_prompt=getattr(getattr(config, "gconfig", None), "n_samples", None))
-    parallel = _parallel(config)
-    problems = config_problems(config.actor, objective, dp_size=getattr(parallel, "dp_size", None),
-                               pp_size=getattr(parallel, "pp_size", 1), **shape)
+    problems = actor_problems(config.actor, objective, **shape)
     critic = getattr(config, "critic", None)
-    if critic is None:
-        return problems
-    allocation = _allocation(critic, "critic")
+    return problems if critic is None else problems + critic_problems(critic, objective, **shape)
+
+
+def actor_problems(actor_config, objective: ArealObjective, *, prompts_per_step: Optional[int] = None,
+                   samples_per_prompt: Optional[int] = None) -> list:
+    """Every refusal of AReaL's actor section (``config.actor``, a ``PPOActorConfig``): a backend other
+    than Megatron (``actor.backend``, AReaL's allocation string, e.g. ``megatron:d4p1t1``), then
+    :func:`config_problems` with that backend's DP and PP sizes. What :func:`use_pg_agg` runs, and the
+    plug-in's actor class on its own (its constructor, and ``initialize`` with AReaL's ``FinetuneSpec``)."""
+    allocation = _allocation(actor_config, "actor")
+    problems = []
     if allocation is not None and allocation.backend != "megatron":
-        problems.append(f"critic.backend={critic.backend}: the plug-in serves AReaL's Megatron critic "
+        problems.append(f"actor.backend={actor_config.backend}: the plug-in serves AReaL's Megatron actor "
+                        f"(MegatronPPOActor); AReaL's trainer builds another actor for the {allocation.backend} "
+                        "backend, which the plug-in does not reach: use actor.backend=megatron:...")
+    parallel = None if allocation is None else allocation.parallel
+    return problems + config_problems(actor_config, objective, prompts_per_step=prompts_per_step,
+                                      dp_size=getattr(parallel, "dp_size", None),
+                                      samples_per_prompt=samples_per_prompt, pp_size=getattr(parallel, "pp_size", 1))
+
+
+def critic_problems(critic_config, objective: ArealObjective, *, prompts_per_step: Optional[int] = None,
+                    samples_per_prompt: Optional[int] = None) -> list:
+    """Every refusal of AReaL's critic section (``config.critic``, a ``PPOCriticConfig``): a backend
+    other than Megatron (``critic.backend``), :func:`critic_config_problems` with that backend's DP, PP
+    and CP sizes, and a group baseline beside a critic. What :func:`use_pg_agg` runs, and the plug-in's
+    critic class on its own (its constructor, and ``initialize`` with AReaL's ``FinetuneSpec``): a
+    single-controller worker builds the critic from its section alone."""
+    allocation = _allocation(critic_config, "critic")
+    problems = []
+    if allocation is not None and allocation.backend != "megatron":
+        problems.append(f"critic.backend={critic_config.backend}: the plug-in serves AReaL's Megatron critic "
                         "(MegatronPPOCritic); use critic.backend=megatron:...")
     parallel = None if allocation is None else allocation.parallel
-    problems += critic_config_problems(critic, objective, dp_size=getattr(parallel, "dp_size", None),
-                                       pp_size=getattr(parallel, "pp_size", 1), cp_size=getattr(parallel, "cp_size", 1),
-                                       **shape)
+    problems += critic_config_problems(critic_config, objective, prompts_per_step=prompts_per_step,
+                                       dp_size=getattr(parallel, "dp_size", None),
+                                       samples_per_prompt=samples_per_prompt, pp_size=getattr(parallel, "pp_size", 1),
+                                       cp_size=getattr(parallel, "cp_size", 1))
     if objective.group_baseline is not None:
         problems.append(f"group_baseline={objective.group_baseline} takes one value per response, but with a critic "
                         "(critic is set) AReaL's GAE advantages follow the critic's values along the response: "
@@ -364,6 +392,22 @@ class _WholeGroupSteps:
 
     pg_agg_role = "actor"
     """AReaL's config section of the class (named in refusals)."""
+
+    def _refuse(self, config, **shape) -> None:
+        """What :func:`use_pg_agg` refuses of this class's section (:func:`actor_problems`,
+        :func:`critic_problems`), checked by the class itself: a single-controller worker builds it
+        from its section alone. ``shape``: ``prompts_per_step`` where known."""
+        check = critic_problems if self.pg_agg_role == "critic" else actor_problems
+        problems = check(config, self.pg_agg_objective, **shape)
+        if problems:
+            raise ArealConfigError(f"megatron_pg_agg refuses this AReaL {self.pg_agg_role}:\n- "
+                                   + "\n- ".join(problems))
+
+    def initialize(self, addr, ft_spec, *args, **kwargs):
+        """AReaL's ``initialize``, after the checks with the step's prompt count (``ft_spec.train_batch_size``,
+        AReaL's ``train_dataset.batch_size``), before any model is built."""
+        self._refuse(self.config, prompts_per_step=getattr(ft_spec, "train_batch_size", None))
+        return super().initialize(addr, ft_spec, *args, **kwargs)
 
     def ppo_update(self, data, *args, **kwargs):
         from .areal_loss import tag_groups  # noqa: PLC0415
@@ -413,9 +457,7 @@ def actor_class():
 
         def __init__(self, config, *args, **kwargs):
             self.pg_agg_objective = objective_from_env()
-            problems = config_problems(config, self.pg_agg_objective)
-            if problems:
-                raise ArealConfigError("megatron_pg_agg refuses this AReaL actor:\n- " + "\n- ".join(problems))
+            self._refuse(config)
             apply_patch(areal_actor.PATCH)
             super().__init__(config, *args, **kwargs)
             self.pg_agg_baseline = None
@@ -465,18 +507,13 @@ def critic_class():
         (module docstring): the mode of ``value_mode`` (default: the policy's) over the step of
         every DP rank, AReaL's clipped squared error per token, steps of whole prompt groups."""
 
+        pg_agg_role = "critic"
+
         def __init__(self, config, *args, **kwargs):
             self.pg_agg_objective = objective_from_env()
-            allocation = _allocation(config, "critic")
-            parallel = None if allocation is None else allocation.parallel
-            problems = critic_config_problems(config, self.pg_agg_objective, pp_size=getattr(parallel, "pp_size", 1),
-                                              cp_size=getattr(parallel, "cp_size", 1))
-            if problems:
-                raise ArealConfigError("megatron_pg_agg refuses this AReaL critic:\n- " + "\n- ".join(problems))
+            self._refuse(config)
             apply_patch(areal_actor.PATCH)
             super().__init__(config, *args, **kwargs)
-
-        pg_agg_role = "critic"
 
         def train_batch(self, input_, loss_fn, loss_weight_fn):
             if not (isinstance(input_, dict) and GROUP in input_):  # not one of the critic's PPO steps

@@ -1,22 +1,31 @@
-"""NeMo-RL's ``examples/run_grpo.py`` run from the user's checkout, its ``setup`` wrapped so that the
-loss object it returns is the plug-in's (``launch/nemo_rl_grpo.py``).
+"""NeMo-RL's ``examples/run_grpo.py`` run from the user's checkout, with the plug-in's checks before
+NeMo-RL spends anything and its loss in place of NeMo-RL's (``launch/nemo_rl_grpo.py``).
 
-``run_grpo.main()`` calls ``setup(...)`` (a name it imports from ``nemo_rl.algorithms.grpo``) and hands
-the ``loss_fn`` of its result to the trainer. The wrapper calls NeMo-RL's ``setup`` with the same
-arguments and returns its result with that one element replaced by
-:func:`~megatron_pg_agg.integrations.nemo_rl_plugin.use_pg_agg`'s loss. The elements are found by
-type (the ``ClippedPGLossFn``, the ``MasterConfig``, the ``Policy``), not by position, and a result
-without exactly one of each is refused: a NeMo-RL whose ``setup`` changed shape fails loudly.
+``run_grpo.main()`` loads the config (``--config`` and Hydra overrides) into ``MasterConfig(**config)``,
+then starts Ray, loads the tokenizer and the data, calls ``setup(...)`` (policy and generation
+workers; names it imports from ``nemo_rl.algorithms.grpo``) and hands the ``loss_fn`` of its result to
+the trainer. Two names of that module are wrapped:
+
+* ``MasterConfig``: the config is built by NeMo-RL's own class, then
+  :func:`~megatron_pg_agg.integrations.nemo_rl_plugin.check_config` runs on it (every check
+  ``use_pg_agg`` runs), before Ray, the tokenizer, the data and ``setup()``;
+* ``setup``: the same checks on the config it is handed, before NeMo-RL's ``setup`` runs (should a
+  NeMo-RL build its config another way), then NeMo-RL's ``setup`` with the same arguments, its
+  result with the loss replaced by :func:`~megatron_pg_agg.integrations.nemo_rl_plugin.use_pg_agg`'s.
+  The elements are found by type (the ``ClippedPGLossFn``, the ``MasterConfig``, the ``Policy``), not
+  by position, and a result without exactly one of each is refused: a NeMo-RL whose ``setup``
+  changed shape fails loudly.
 """
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 
-from .nemo_rl_plugin import CHECKOUT_ENV, NemoRLConfigError, checkout_problem, use_pg_agg
+from .nemo_rl_plugin import CHECKOUT_ENV, NemoRLConfigError, check_config, checkout_problem, use_pg_agg
 
-__all__ = ["load_run_grpo", "swap_loss", "main"]
+__all__ = ["load_run_grpo", "swap_loss", "wrap_run_grpo", "main"]
 
 
 def load_run_grpo(checkout: str):
@@ -53,16 +62,46 @@ def swap_loss(result: tuple) -> tuple:
     return tuple(swapped)
 
 
+def checked_master_config(master_config_class):
+    """``master_config_class`` (NeMo-RL's ``MasterConfig``) as a callable that builds the config and
+    runs the plug-in's checks on it before returning it."""
+
+    def build(*args, **kwargs):
+        config = master_config_class(*args, **kwargs)
+        check_config(config)
+        return config
+
+    build.__wrapped__ = master_config_class
+    return build
+
+
+def checked_setup(setup):
+    """NeMo-RL's ``setup``: the plug-in's checks on its ``master_config`` first, then ``setup`` itself,
+    its result with the plug-in's loss (:func:`swap_loss`)."""
+    signature = inspect.signature(setup)
+
+    def setup_with_pg_agg(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        check_config(arguments.get("master_config", next(iter(arguments.values()), None)))  # its first argument
+        return swap_loss(setup(*args, **kwargs))
+
+    setup_with_pg_agg.__wrapped__ = setup
+    return setup_with_pg_agg
+
+
+def wrap_run_grpo(run_grpo) -> None:
+    """The two changes to NeMo-RL's ``run_grpo`` module (module docstring), in place."""
+    if not hasattr(run_grpo, "MasterConfig") or not hasattr(run_grpo, "setup"):
+        raise NemoRLConfigError("NeMo-RL's examples/run_grpo.py has no MasterConfig or setup: this launcher was "
+                                "written for NeMo-RL 0.6's; call use_pg_agg yourself (docs/nemo-rl.md)")
+    run_grpo.MasterConfig = checked_master_config(run_grpo.MasterConfig)
+    run_grpo.setup = checked_setup(run_grpo.setup)
+
+
 def main() -> None:
     checkout = os.environ.get(CHECKOUT_ENV)
     if not checkout:
         raise SystemExit(f"set {CHECKOUT_ENV} to your NeMo-RL checkout (docs/nemo-rl.md)")
     run_grpo = load_run_grpo(checkout)
-    setup = run_grpo.setup
-
-    def setup_with_pg_agg(*args, **kwargs):
-        return swap_loss(setup(*args, **kwargs))
-
-    setup_with_pg_agg.__wrapped__ = setup
-    run_grpo.setup = setup_with_pg_agg
+    wrap_run_grpo(run_grpo)
     run_grpo.main()

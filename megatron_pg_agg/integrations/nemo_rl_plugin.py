@@ -16,7 +16,7 @@ and one line in NeMo-RL's ``examples/run_grpo.py``, between ``setup()`` and the 
 What it does, in NeMo-RL's terms (docs/nemo-rl.md):
 
 * reads ``loss_fn.pg_agg`` and refuses, naming NeMo-RL's keys, what the objective cannot be exact
-  under (:func:`config_problems`), before any step;
+  under (:func:`check_config`: the launcher runs the same checks before ``setup()``), before any step;
 * returns :class:`~megatron_pg_agg.integrations.nemo_rl_loss.PGAggLossFn`: the run's own
   ``ClippedPGLossFn`` (``setup()``'s object) handed the plug-in's advantages; NeMo-RL's trainer passes
   it to ``Policy.train`` and the Ray workers, as it did its own;
@@ -33,6 +33,7 @@ optimizer and metrics are its own. With ``loss_fn.pg_agg`` absent nothing change
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -40,9 +41,9 @@ import torch
 from megatron_pg_agg.core.modes import PROMPT_MEAN
 
 from .nemo_rl_loss import PGAggLossFn
-from .nemo_rl_weights import NemoRLObjective, prompt_groups, step_fields
+from .nemo_rl_weights import NemoRLObjective, batch_prompt_groups, step_fields
 
-__all__ = ["BLOCK", "CHECKOUT_ENV", "NemoRLConfigError", "checkout_problem", "config_problems",
+__all__ = ["BLOCK", "CHECKOUT_ENV", "NemoRLConfigError", "check_config", "checkout_problem", "config_problems",
            "objective_from_config", "use_pg_agg", "step_batch"]
 
 CHECKOUT_ENV = "MEGATRON_PG_AGG_NEMO_RL"
@@ -91,6 +92,9 @@ def objective_from_config(master_config) -> NemoRLObjective:
         raise NemoRLConfigError(f"use_pg_agg needs loss_fn.{BLOCK}.mode in NeMo-RL's config (token_mean, seq_mean, "
                                 f"prompt_mean or constant with loss_fn.{BLOCK}.divisor), e.g. "
                                 f"++loss_fn.{BLOCK}.mode=prompt_mean")
+    if not isinstance(block, Mapping):
+        raise NemoRLConfigError(f"loss_fn.{BLOCK}={block!r} is not a block: loss_fn.{BLOCK} must be a block of keys "
+                                f"{list(KEYS)}, e.g. ++loss_fn.{BLOCK}.mode={block} (not ++loss_fn.{BLOCK}={block})")
     block = dict(block)
     unknown = sorted(set(block) - set(KEYS))
     if unknown:
@@ -127,6 +131,19 @@ def config_problems(master_config, objective: NemoRLObjective) -> list:
     return problems
 
 
+def check_config(master_config) -> NemoRLObjective:
+    """Every start-up check of the plug-in on NeMo-RL's config (``MasterConfig``, or the dict it is built
+    from): the objective of ``loss_fn.pg_agg`` (:func:`objective_from_config`) and
+    :func:`config_problems`. What :func:`use_pg_agg` runs, and ``launch/nemo_rl_grpo.py`` as soon as
+    the config is loaded, before NeMo-RL's ``setup()`` (Ray, tokenizer, data, workers). Returns the
+    objective; raises :class:`NemoRLConfigError` naming every refused key."""
+    objective = objective_from_config(master_config)
+    problems = config_problems(master_config, objective)
+    if problems:
+        raise NemoRLConfigError("megatron_pg_agg refuses this NeMo-RL configuration:\n- " + "\n- ".join(problems))
+    return objective
+
+
 def use_pg_agg(master_config, policy, loss_fn) -> PGAggLossFn:
     """Turn the plug-in on for a NeMo-RL GRPO run: ``master_config``, ``policy`` and ``loss_fn``
     as ``grpo.setup()`` returns them. Returns the loss object to hand NeMo-RL's trainer instead of
@@ -136,11 +153,7 @@ def use_pg_agg(master_config, policy, loss_fn) -> PGAggLossFn:
     if not isinstance(loss_fn, ClippedPGLossFn):
         raise NemoRLConfigError(f"use_pg_agg takes the ClippedPGLossFn that grpo.setup() built; got "
                                 f"{type(loss_fn).__name__}")
-    objective = objective_from_config(master_config)
-    problems = config_problems(master_config, objective)
-    if problems:
-        raise NemoRLConfigError("megatron_pg_agg refuses this NeMo-RL configuration:\n- " + "\n- ".join(problems))
-    loss = PGAggLossFn(loss_fn, objective)
+    loss = PGAggLossFn(loss_fn, check_config(master_config))
     if not isinstance(policy.train, StepWeightedTrain):
         policy.train = StepWeightedTrain(policy)
     return loss
@@ -180,7 +193,7 @@ def step_batch(data, loss: PGAggLossFn, gbs: int):
     """``data`` (NeMo-RL's training batch on the driver) with the plug-in's fields added, computed over
     each optimizer step of ``gbs`` rows (a new ``BatchedDataDict``; the caller's is left as it was)."""
     objective = loss.objective
-    groups = prompt_groups(data["input_ids"], data["token_mask"]) if objective.mode == PROMPT_MEAN else None
+    groups = batch_prompt_groups(data) if objective.mode == PROMPT_MEAN else None
     rewards = data["rewards"] if loss.nll_weight > 0 and "rewards" in data else None
     fields = step_fields(data["token_mask"].cpu(), data["sample_mask"].cpu(), gbs=gbs, objective=objective,
                          sequence_level=loss.sequence_level, groups=groups,

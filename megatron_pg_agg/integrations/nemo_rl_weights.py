@@ -41,8 +41,8 @@ from megatron_pg_agg.core.modes import PROMPT_MEAN, resolve_mode
 
 from .step_weights import cut_groups, dp_step_weights
 
-__all__ = ["ADVANTAGE_SCALE", "STEP_SEQUENCES", "STEP_TOKENS", "NLL_SCALE", "NemoRLBatchError", "NemoRLObjective",
-           "prompt_groups", "step_fields"]
+__all__ = ["ADVANTAGE_SCALE", "STEP_SEQUENCES", "STEP_TOKENS", "NLL_SCALE", "PROMPT_ID", "NemoRLBatchError",
+           "NemoRLObjective", "batch_prompt_groups", "prompt_groups", "step_fields"]
 
 ADVANTAGE_SCALE = "pg_agg_advantage_scale"
 """``[B, T]`` in the advantages' dtype (float32 in NeMo-RL's GRPO), aligned with ``token_mask`` (column 0
@@ -83,16 +83,78 @@ class NemoRLObjective:
             raise ValueError(f"seq_logprob_error_threshold must be a positive number or None; got {threshold!r}")
 
 
-def prompt_groups(input_ids: torch.Tensor, token_mask: torch.Tensor) -> list:
-    """One hashable per row: its prompt, the tokens before its first loss token (the initial prompt
-    messages NeMo-RL's advantage estimator groups by, ``prompt_ids``); rows with the same prompt are
-    one group. A row without a loss token gets a group of its own (it adds nothing)."""
-    has = token_mask.bool().any(1)
-    first = torch.argmax(token_mask.bool().to(torch.int8), dim=1)
+PROMPT_ID = "idx"
+"""NeMo-RL's prompt index (``DatumSpec.idx``: one per prompt of the data set, copied to each of its
+generations by ``repeat_interleave``). The GRPO batch NeMo-RL 7ea279a hands ``Policy.train`` does not
+carry it (``grpo_train`` builds ``train_data`` from ``input_ids``, ``input_lengths``,
+``generation_logprobs``, ``token_mask`` and ``sample_mask``); where a batch does, it (with
+``task_name``, where carried: each data set numbers its own prompts) names the prompt groups."""
+
+
+def batch_prompt_groups(data) -> list:
+    """One hashable per row of NeMo-RL's training batch ``data``: NeMo-RL's own prompt identity
+    (:data:`PROMPT_ID`, with ``task_name``) where the batch carries one, else the prompt read from the
+    tokens (:func:`prompt_groups`)."""
+    if PROMPT_ID in data:
+        ids = data[PROMPT_ID]
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        tasks = list(data["task_name"]) if "task_name" in data else [None] * len(ids)
+        return [("prompt", task, ids[i]) for i, task in enumerate(tasks)]
+    return prompt_groups(data["input_ids"], data["token_mask"], data.get("generation_logprobs"))
+
+
+def prompt_groups(input_ids: torch.Tensor, token_mask: torch.Tensor,
+                  generation_logprobs: Optional[torch.Tensor] = None) -> list:
+    """One hashable per row: its prompt, the tokens before its first response token; rows with the
+    same prompt are one group (what NeMo-RL's advantage estimator groups by, ``prompt_ids``). The
+    first response token is the first that NeMo-RL trains (``token_mask``) or that has a generation
+    log-prob (``generation_logprobs`` non-zero: NeMo-RL gives them to the generated assistant messages
+    only, 0 to every other token), so a masked first response token does not make a group of its own.
+    A row without a response token gets a group of its own (it adds nothing). Refused
+    (:class:`NemoRLBatchError`): generation log-probs on column 0 (not NeMo-RL's layout), and a prompt
+    that begins with another row's prompt (:func:`_refuse_nested_prompts`)."""
+    response = token_mask.bool()
+    if generation_logprobs is not None:
+        generated = generation_logprobs != 0
+        if bool(generated[:, 0].any()):
+            rows = generated[:, 0].nonzero().flatten().tolist()
+            raise NemoRLBatchError(
+                f"prompt_mean reads each row's prompt up to its first generated token, but generation_logprobs is "
+                f"non-zero on column 0 (a prompt token) of rows {_some(rows)}: NeMo-RL gives generation log-probs "
+                "to generated tokens only (0 elsewhere); carry NeMo-RL's prompt index in the batch "
+                f"({PROMPT_ID!r}, one per row) instead")
+        response = response | generated
+    has = response.any(1)
+    first = torch.argmax(response.to(torch.int8), dim=1)
     rows = []
     for i, (ids, f, h) in enumerate(zip(input_ids.tolist(), first.tolist(), has.tolist())):
-        rows.append(tuple(ids[:f]) if h else ("no loss token", i))
+        rows.append(tuple(ids[:f]) if h else ("no response token", i))
+    _refuse_nested_prompts(rows)
     return rows
+
+
+def _some(items: list, limit: int = 8) -> str:
+    """``items`` as a list of at most ``limit`` entries (the count of the rest after them)."""
+    return str(items) if len(items) <= limit else f"{str(items[:limit])[:-1]}, ... ({len(items)} in all)]"
+
+
+def _refuse_nested_prompts(groups: list) -> None:
+    """A row whose prompt begins with another row's prompt is either a response token that NeMo-RL
+    neither trains nor gave a generation log-prob (it would make a group of its own) or a prompt
+    that begins another (multi-turn history): the tokens cannot tell which, so it is refused."""
+    rows_of: dict = {}
+    for i, key in enumerate(groups):
+        if key and isinstance(key, tuple) and key[0] != "no response token":
+            rows_of.setdefault(key, []).append(i)
+    ordered = sorted(rows_of)  # a prompt that begins another sorts right before it (or before another that does)
+    for short, long in zip(ordered, ordered[1:]):
+        if long[:len(short)] == short:
+            raise NemoRLBatchError(
+                f"prompt_mean: rows {_some(rows_of[long])} have a prompt of {len(long)} tokens (before the first "
+                f"trained or generated token) that begins with the {len(short)}-token prompt of rows "
+                f"{_some(rows_of[short])}: either response tokens NeMo-RL neither trains nor gave a generation "
+                "log-prob, or a prompt that continues another; the tokens cannot tell the groups apart: carry "
+                f"NeMo-RL's prompt index in the batch ({PROMPT_ID!r}, one per row, e.g. repeated_batch[{PROMPT_ID!r}])")
 
 
 def _binary(name: str, values: torch.Tensor) -> torch.Tensor:
@@ -100,6 +162,25 @@ def _binary(name: str, values: torch.Tensor) -> torch.Tensor:
         raise NemoRLBatchError(f"{name} must hold 0 or 1 only (a weight between would be a third aggregation); "
                                f"got values {sorted(set(values.flatten().tolist()))[:8]}")
     return values.bool()
+
+
+def _refuse_cut_groups(steps: list, groups: list, rows: int, gbs: int) -> None:
+    """Refuse a prompt group over two optimizer steps (or into the remainder NeMo-RL drops), each
+    named by its rows and size, never by its prompt's tokens (thousands of them in a real prompt)."""
+    if groups is None or len(groups) != rows or any(g is None for g in groups):
+        cut_groups(steps, groups, rows)  # raises, naming the rows without a group
+    members: dict = {}
+    for i, key in enumerate(groups):
+        members.setdefault(key, []).append(i)
+    labels = [f"of rows {_some(members[key])} ({len(members[key])} rows)" for key in groups]
+    cut = cut_groups(steps, labels, rows, remainder="the remainder NeMo-RL drops")
+    if cut:
+        more = f" (and {len(cut) - 5} more)" if len(cut) > 5 else ""
+        raise NemoRLBatchError(
+            "prompt_mean needs every prompt group inside one optimizer step, but NeMo-RL's steps "
+            f"(policy.train_global_batch_size={gbs} rows in order) cut " + "; ".join(cut[:5]) + more
+            + ": make policy.train_global_batch_size a multiple of grpo.num_generations_per_prompt and "
+            "keep a prompt's generations together")
 
 
 def step_fields(token_mask: torch.Tensor, sample_mask: torch.Tensor, *, gbs: int, objective: NemoRLObjective,
@@ -120,13 +201,7 @@ def step_fields(token_mask: torch.Tensor, sample_mask: torch.Tensor, *, gbs: int
     steps = [list(range(s * gbs, (s + 1) * gbs)) for s in range(rows // gbs)]
     grouped = objective.mode == PROMPT_MEAN
     if grouped:
-        cut = cut_groups(steps, groups, rows, remainder="the remainder NeMo-RL drops")
-        if cut:
-            raise NemoRLBatchError(
-                "prompt_mean needs every prompt group inside one optimizer step, but NeMo-RL's steps "
-                f"(policy.train_global_batch_size={gbs} rows in order) cut " + "; ".join(cut[:10])
-                + ": make policy.train_global_batch_size a multiple of grpo.num_generations_per_prompt and "
-                "keep a prompt's generations together")
+        _refuse_cut_groups(steps, groups, rows, gbs)
     scale = torch.zeros(rows, width, dtype=dtype)
     step_sequences = torch.zeros(rows, dtype=dtype)
     step_tokens = torch.zeros(rows, dtype=dtype)

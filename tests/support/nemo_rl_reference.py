@@ -59,7 +59,8 @@ def random_batch(rng: random.Random, *, groups: int = 4, max_group: int = 4, gro
                  dtype: torch.dtype = torch.float64) -> dict:
     """A NeMo-RL training batch (``train_data`` of ``grpo_train``, CPU): ``groups`` prompts, each with
     ``group_size`` (or 1..max_group) responses in consecutive rows sharing the prompt's tokens; holes
-    in the token mask, a row with sample_mask 0, optionally an empty response (sample_mask 1, no loss
+    in the token mask (a response's first token among them), generation log-probs on the response
+    tokens only (NeMo-RL's 0 elsewhere), a row with sample_mask 0, optionally an empty response (sample_mask 1, no loss
     token); GRPO-like advantages (one value per response); log-probs near each other."""
     sizes = [group_size or rng.randint(1, max_group) for _ in range(groups)]
     rows = []
@@ -72,10 +73,12 @@ def random_batch(rng: random.Random, *, groups: int = 4, max_group: int = 4, gro
     input_ids = torch.zeros(count, width, dtype=torch.long)
     token_mask = torch.zeros(count, width)
     lengths = torch.zeros(count, dtype=torch.long)
+    generated = torch.zeros(count, width, dtype=torch.bool)
     for i, (_, prompt, n) in enumerate(rows):
         ids = prompt + [rng.randrange(3, 50) for _ in range(n)]
         input_ids[i, :len(ids)] = torch.tensor(ids)
         lengths[i] = len(ids)
+        generated[i, len(prompt):len(ids)] = True
         for t in range(len(prompt), len(ids)):
             token_mask[i, t] = float(rng.random() > 0.15)
         if not token_mask[i].any():
@@ -86,7 +89,8 @@ def random_batch(rng: random.Random, *, groups: int = 4, max_group: int = 4, gro
         spare = [i for i in range(count) if sample_mask[i] > 0]
         token_mask[rng.choice(spare)] = 0.0
     advantages = torch.tensor([[rng.uniform(-1.5, 1.5)] for _ in range(count)]).expand(count, width).clone()
-    gen = torch.tensor([[-rng.uniform(0.3, 3.0) for _ in range(width)] for _ in range(count)])
+    # NeMo-RL's generation log-probs: the generated tokens' (masked ones included), 0 on every other token
+    gen = torch.tensor([[-rng.uniform(0.3, 3.0) for _ in range(width)] for _ in range(count)]) * generated
     prev = gen + torch.tensor([[rng.uniform(-0.05, 0.05) for _ in range(width)] for _ in range(count)])
     ref = prev + torch.tensor([[rng.uniform(-0.3, 0.3) for _ in range(width)] for _ in range(count)])
     rewards = torch.tensor([float(rng.random() > 0.5) for _ in rows])

@@ -218,10 +218,12 @@ def make_batch(model, moe: bool):
     input_ids = torch.zeros(count, width, dtype=torch.long)
     token_mask = torch.zeros(count, width)
     lengths = torch.zeros(count, dtype=torch.long)
+    generated = torch.zeros(count, width)
     for i, (p, n) in enumerate(rows):
         ids = torch.cat([prompts[p], torch.randint(3, VOCAB, (n,), generator=g)])
         input_ids[i, :len(ids)] = ids
         lengths[i] = len(ids)
+        generated[i, len(prompts[p]):len(ids)] = 1.0
         token_mask[i, len(prompts[p]):len(ids)] = (torch.rand(n, generator=g) > 0.15).float()
         token_mask[i, len(prompts[p])] = 1.0
     sample_mask = torch.ones(count)
@@ -237,7 +239,8 @@ def make_batch(model, moe: bool):
     prev = own + noise(0.05)
     data = {"input_ids": input_ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": sample_mask,
             "advantages": advantages.unsqueeze(1).expand(count, width).contiguous(),
-            "prev_logprobs": prev, "generation_logprobs": prev + noise(0.05),
+            # NeMo-RL's generation log-probs: 0 on every token it did not generate
+            "prev_logprobs": prev, "generation_logprobs": (prev + noise(0.05)) * generated,
             "reference_policy_logprobs": prev + noise(0.3)}
     return BatchedDataDict(data), [p for p, _ in rows]
 

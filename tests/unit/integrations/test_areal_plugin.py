@@ -382,3 +382,82 @@ def test_areals_critic_hands_its_loss_the_cp_shard_beside_whole_sequences():
                                               torch.tensor(float(tokens)))
     assert seen["values"] == (tokens // 2,) and seen["returns"] == (tokens,), seen
     assert "_cp_padded_cu_seqlens" in seen["cp_keys"], seen
+
+
+@pytest.mark.optional_stack
+def test_a_non_megatron_actor_backend_is_refused_naming_the_key(monkeypatch):
+    """actor.backend (AReaL's allocation string, the key its trainer picks the actor class by) naming
+    FSDP or Archon: refused by use_pg_agg naming actor.backend (AReaL's trainer would build its own
+    FSDP/Archon actor, which the plug-in does not reach: the objective would silently be AReaL's token
+    mean); a Megatron backend is accepted."""
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+    from areal.api.cli_args import GRPOConfig
+
+    from megatron_pg_agg.integrations.areal_plugin import use_pg_agg
+
+    monkeypatch.delenv(ENV, raising=False)
+    for backend in ("fsdp:d2", "archon:d2"):
+        config = GRPOConfig()
+        config.actor.backend, config.train_dataset.batch_size = backend, 8  # AReaL's ppo_n_minibatches=4 fits
+        with pytest.raises(ArealConfigError, match=f"actor.backend={backend}: the plug-in serves AReaL's Megatron"):
+            use_pg_agg(config, "prompt_mean")
+    from megatron_pg_agg.integrations.areal_plugin import actor_problems
+
+    config = GRPOConfig()
+    config.actor.backend, config.train_dataset.batch_size = "megatron:d2p1t1", 8
+    assert actor_problems(config.actor, ArealObjective("prompt_mean"), prompts_per_step=8) == []
+
+
+BUILT_DIRECTLY = """
+import os, sys
+from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+apply_areal_cpu_patches()  # CPU: AReaL's engine module imports megatron.bridge (stood in here)
+from areal.api.cli_args import PPOActorConfig, PPOCriticConfig
+from areal.api.io_struct import FinetuneSpec
+from megatron_pg_agg.integrations.areal_plugin import ENV, ArealConfigError, actor_class, critic_class
+
+def refused(build, *args):
+    try:
+        build(*args)
+    except ArealConfigError as error:
+        return str(error).replace(chr(10), " ")
+    return "NOT REFUSED"
+
+def critic(**keys):
+    return PPOCriticConfig(experiment_name="pg_agg", trial_name="cpu", path="/nonexistent", is_critic=True,
+                           **{"backend": "megatron:d1", **keys})
+
+os.environ[ENV] = "seq_mean;group_baseline=response_mean"
+print("BASELINE", refused(critic_class(), critic()))
+os.environ[ENV] = "seq_mean"
+print("BACKEND", refused(critic_class(), critic(backend="fsdp:d1")))
+built = critic_class()(critic(backend="megatron:d2", ppo_n_minibatches=4))  # AReaL's engine, nothing built yet
+print("MINIBATCHES", refused(built.initialize, None, FinetuneSpec(total_train_epochs=1, dataset_size=60,
+                                                                   train_batch_size=6)))
+actor = PPOActorConfig(experiment_name="pg_agg", trial_name="cpu", path="/nonexistent", backend="fsdp:d2")
+print("ACTOR", refused(actor_class(), actor))
+"""
+
+
+@pytest.mark.optional_stack
+def test_the_critic_built_directly_refuses_what_use_pg_agg_refuses():
+    """The plug-in's critic class built as a single-controller worker builds it (from its own section,
+    with MEGATRON_PG_AGG_AREAL; no use_pg_agg in that process): group_baseline beside a critic and a
+    non-Megatron critic.backend are refused by its constructor, an oversized critic.ppo_n_minibatches
+    (6 prompts over 2 DP ranks: 3 groups a rank for 4 steps) by its initialize, from AReaL's
+    FinetuneSpec, before AReaL builds anything; each naming the key. The actor class likewise refuses
+    a non-Megatron actor.backend. In a fresh interpreter (AReaL's engine module is patched for CPU)."""
+    require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", BUILT_DIRECTLY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-5000:]
+    lines = {line.split(" ", 1)[0]: line for line in out.stdout.splitlines() if " " in line}
+    assert "refuses this AReaL critic" in lines.get("BASELINE", ""), out.stdout[-3000:]
+    assert "group_baseline=response_mean takes one value per response, but with a critic" in lines["BASELINE"]
+    assert "critic.backend=fsdp:d1: the plug-in serves AReaL's Megatron critic" in lines.get("BACKEND", ""), lines
+    assert ("critic.ppo_n_minibatches=4 optimizer steps of whole prompt groups need at least 4 groups per DP rank, "
+            "but train_dataset.batch_size=6 over 2 DP rank(s) gives 3") in lines.get("MINIBATCHES", ""), lines
+    assert "actor.backend=fsdp:d2: the plug-in serves AReaL's Megatron actor" in lines.get("ACTOR", ""), lines
+

@@ -2,6 +2,7 @@
 its hand-over to NeMo-RL's objects (with the checkout: tests marked optional_stack)."""
 from __future__ import annotations
 
+import inspect
 import pickle
 import random
 from types import SimpleNamespace
@@ -42,6 +43,35 @@ def test_the_objective_comes_from_loss_fn_pg_agg():
         objective_from_config(_config({"mode": "constant"}))
     with pytest.raises(NemoRLConfigError, match="seq_logprob_error_threshold must be a positive"):
         objective_from_config(_config({"mode": "token_mean", "seq_logprob_error_threshold": -1}))
+
+
+def test_a_scalar_pg_agg_is_refused_naming_the_key():
+    """``++loss_fn.pg_agg=prompt_mean`` (a value, not a block): refused naming loss_fn.pg_agg and the
+    override to write instead (it was dict()'s raw "dictionary update sequence element #0", naming
+    no key)."""
+    for value in ("prompt_mean", 5, ["mode", "prompt_mean"]):
+        with pytest.raises(NemoRLConfigError, match=r"loss_fn.pg_agg=.* is not a block: loss_fn.pg_agg must be "
+                                                    r"a block of keys \['mode', 'divisor', 'seq_logprob_error_th"):
+            objective_from_config(_config(value))
+    with pytest.raises(NemoRLConfigError, match=r"e.g. \+\+loss_fn.pg_agg.mode=prompt_mean \(not "):
+        objective_from_config(_config("prompt_mean"))
+
+
+def test_check_config_runs_every_start_up_check():
+    """check_config (use_pg_agg's checks, and the launcher's before setup()): the objective on an
+    accepted config; the block's own refusal; every config problem at once, naming the keys."""
+    from megatron_pg_agg.integrations.nemo_rl_plugin import check_config
+
+    assert check_config(_config({"mode": "prompt_mean"})) == NemoRLObjective("prompt_mean")
+    with pytest.raises(NemoRLConfigError, match="loss_fn.pg_agg='prompt_mean' is not a block"):
+        check_config(_config("prompt_mean"))
+    bad = _config({"mode": "prompt_mean"}, data_plane={"enabled": True},
+                  policy={"train_global_batch_size": 6, "megatron_cfg": {"enabled": False}})
+    with pytest.raises(NemoRLConfigError) as refused:
+        check_config(bad)
+    for key in ("data_plane.enabled=true", "policy.megatron_cfg.enabled is false",
+                "policy.train_global_batch_size=6 is not a multiple of grpo.num_generations_per_prompt=4"):
+        assert key in str(refused.value), str(refused.value)
 
 
 def test_start_up_refusals_name_nemo_rls_keys():
@@ -93,19 +123,100 @@ def test_the_advantage_scale_by_hand(mode, token_level, sequence_level):
 
 def test_groups_are_prompts_and_a_group_cut_across_steps_is_refused():
     """Rows sharing the tokens before their first loss token are one group (whatever the response);
-    a group over two steps, or into the remainder NeMo-RL drops, is refused naming the batch keys."""
+    a group over two steps, or into the remainder NeMo-RL drops, is refused naming the batch keys and
+    the group by its rows."""
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9], [5, 7, 7, 8], [5, 6, 1, 2]])
     mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.float32)
     groups = prompt_groups(ids, mask)
     assert groups[0] == groups[1] == groups[3] != groups[2]
     objective = NemoRLObjective("prompt_mean")
-    cut = r"train_global_batch_size=2 rows in order\) cut group \(5, 6\) over steps \[0, 1\]"
+    cut = r"train_global_batch_size=2 rows in order\) cut group of rows \[0, 1, 3\] \(3 rows\) over steps \[0, 1\]"
     with pytest.raises(NemoRLBatchError, match=cut):
         step_fields(mask, torch.ones(4), gbs=2, objective=objective, sequence_level=False, groups=groups)
     order = [0, 2, 1]  # a step of rows 0 and 2, row 1 (row 0's group) left over
-    with pytest.raises(NemoRLBatchError, match=r"group \(5, 6\) over steps \[0, 'the remainder NeMo-RL drops'\]"):
+    with pytest.raises(NemoRLBatchError, match=r"group of rows \[0, 2\] \(2 rows\) over steps \[0, 'the remainder"):
         step_fields(mask[order], torch.ones(3), gbs=2, objective=objective, sequence_level=False,
                     groups=[groups[i] for i in order])
+
+
+def test_the_cut_group_message_names_rows_not_prompt_tokens():
+    """Prompts of 3000 tokens (a real prompt's size), 12 groups of 3 all cut by steps of 2 rows: the
+    refusal names policy.train_global_batch_size and each group by its rows, lists 5 groups and
+    counts the rest, and stays short (the old message spelled out every group's token tuple: over
+    100,000 characters here)."""
+    prompt_len, groups_n, size = 3000, 12, 3
+    rows = groups_n * size
+    ids = torch.zeros(rows, prompt_len + 2, dtype=torch.long)
+    mask = torch.zeros(rows, prompt_len + 2)
+    for g in range(groups_n):
+        ids[g * size:(g + 1) * size, :prompt_len] = torch.arange(prompt_len) * 7 + 1000 * g + 1
+    mask[:, prompt_len:] = 1.0
+    groups = prompt_groups(ids, mask)
+    with pytest.raises(NemoRLBatchError) as refused:
+        step_fields(mask, torch.ones(rows), gbs=2, objective=NemoRLObjective("prompt_mean"), sequence_level=False,
+                    groups=groups)
+    message = str(refused.value)
+    assert "policy.train_global_batch_size=2" in message and "group of rows [0, 1, 2] (3 rows)" in message
+    assert "(and 7 more)" in message and len(message) < 1000, (len(message), message[:300])
+
+
+def _multi_turn(first_masked: list):
+    """Two prompts x 3 responses, each response 2 turns: generated tokens (columns 3-4), an
+    environment message (column 5, neither trained nor generated), generated tokens (columns 6-7).
+    ``first_masked`` rows have their first turn untrained (token_mask 0) but generated
+    (generation_logprobs non-zero, as NeMo-RL gives every generated token)."""
+    ids = torch.tensor([[1, 2, 3, 10 + i, 20 + i, 9, 30 + i, 40 + i] for i in range(3)]
+                       + [[1, 2, 4, 10 + i, 20 + i, 9, 30 + i, 40 + i] for i in range(3)])
+    generated = torch.tensor([[0, 0, 0, 1, 1, 0, 1, 1]] * 6, dtype=torch.float32)
+    mask = generated.clone()
+    for i in first_masked:
+        mask[i, 3:5] = 0.0
+    return ids, mask, generated * -0.5
+
+
+def test_a_masked_first_response_token_does_not_split_a_group():
+    """A multi-turn row whose first turn is untrained: its prompt ends where its generated tokens
+    begin (generation_logprobs), so it stays in its prompt's group; from the token mask alone it was
+    a group of its own (the old reading). Two prompts stay apart."""
+    ids, mask, gen = _multi_turn(first_masked=[1, 4])
+    groups = prompt_groups(ids, mask, gen)
+    assert groups[0] == groups[1] == groups[2] == (1, 2, 3) and groups[3] == groups[4] == groups[5] == (1, 2, 4)
+    fields = step_fields(mask, torch.ones(6), gbs=6, objective=NemoRLObjective("prompt_mean"), sequence_level=False,
+                         groups=groups)
+    split = step_fields(mask, torch.ones(6), gbs=6, objective=NemoRLObjective("prompt_mean"), sequence_level=False,
+                        groups=[0, 1, 0, 2, 3, 2])
+    assert not torch.equal(fields[ADVANTAGE_SCALE], split[ADVANTAGE_SCALE])  # the grouping matters here
+
+
+def test_nemo_rls_prompt_index_names_the_groups_where_the_batch_carries_it():
+    """A batch carrying NeMo-RL's prompt index (``idx``, with ``task_name``) is grouped by it, not by
+    tokens: two data sets numbering their prompts alike stay apart; without it, the tokens."""
+    from megatron_pg_agg.integrations.nemo_rl_weights import PROMPT_ID, batch_prompt_groups
+
+    ids, mask, gen = _multi_turn(first_masked=[])
+    data = {"input_ids": ids, "token_mask": mask, "generation_logprobs": gen}
+    assert batch_prompt_groups(data) == prompt_groups(ids, mask, gen)
+    carried = {**data, PROMPT_ID: torch.tensor([7, 7, 7, 7, 7, 7]), "task_name": ["math"] * 3 + ["code"] * 3}
+    groups = batch_prompt_groups(carried)
+    assert groups[0] == groups[2] != groups[3] == groups[5]
+    same_tokens = {**data, PROMPT_ID: [0, 1, 0, 1, 0, 1]}  # the index, not the tokens
+    groups = batch_prompt_groups(same_tokens)
+    assert groups[0] == groups[2] == groups[4] != groups[1] == groups[3] == groups[5]
+
+
+def test_prompts_the_tokens_cannot_tell_apart_are_refused():
+    """A row whose first response tokens are neither trained nor generated (generation log-prob 0)
+    reads as a longer prompt that begins with its group's: refused naming the rows and NeMo-RL's
+    prompt index; so is a batch with generation log-probs on column 0 (not NeMo-RL's layout)."""
+    ids, mask, gen = _multi_turn(first_masked=[1])
+    gen[1, 3:5] = 0.0
+    nested = r"rows \[1\] have a prompt of 6 tokens .*3-token prompt of rows \[0, 2\].*'idx'"
+    with pytest.raises(NemoRLBatchError, match=nested):
+        prompt_groups(ids, mask, gen)
+    ids, mask, gen = _multi_turn(first_masked=[])
+    gen[2, 0] = -0.1
+    with pytest.raises(NemoRLBatchError, match=r"generation_logprobs is non-zero on column 0 .* rows \[2\]"):
+        prompt_groups(ids, mask, gen)
 
 
 def test_a_sample_mask_between_0_and_1_is_refused():
@@ -199,3 +310,42 @@ def test_the_launcher_swaps_the_loss_in_setups_result(nemo):
         swap_loss(result + (own,))
     run_grpo = load_run_grpo(require_nemo_rl())
     assert callable(run_grpo.setup) and callable(run_grpo.main)
+
+
+@pytest.mark.optional_stack
+@pytest.mark.parametrize("overrides, refused", [
+    (["++loss_fn.pg_agg=prompt_mean"], "loss_fn.pg_agg='prompt_mean' is not a block"),
+    (["++loss_fn.pg_agg.mode=prompt_mean"], "policy.megatron_cfg.enabled is false"),
+    (["policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.enabled=false", "policy.train_global_batch_size=24",
+      "++loss_fn.pg_agg.mode=prompt_mean"],
+     "policy.train_global_batch_size=24 is not a multiple of grpo.num_generations_per_prompt=16"),
+])
+def test_the_launcher_refuses_before_nemo_rl_starts_anything(nemo, monkeypatch, overrides, refused):
+    """launch/nemo_rl_grpo.py on NeMo-RL's own examples/run_grpo.py main() with the checkout's
+    grpo_math_1B.yaml and Hydra overrides: a config the plug-in refuses stops as soon as NeMo-RL has
+    built its MasterConfig, naming the key, before Ray starts (the old launcher refused only after
+    NeMo-RL's whole setup(): Ray, tokenizer, data, workers). A setup() reached by another way runs
+    the same checks before NeMo-RL's setup is called."""
+    import ray
+
+    from megatron_pg_agg.integrations.nemo_rl_launch import checked_setup, load_run_grpo, wrap_run_grpo
+
+    checkout = require_nemo_rl()
+    run_grpo = load_run_grpo(checkout)
+    own_setup = run_grpo.setup
+    wrap_run_grpo(run_grpo)
+    config = f"{checkout}/examples/configs/grpo_math_1B.yaml"
+    monkeypatch.setattr("sys.argv", ["nemo_rl_grpo.py", "--config", config, *overrides])
+    with pytest.raises(NemoRLConfigError, match=refused):
+        run_grpo.main()
+    assert not ray.is_initialized()
+    called = []
+
+    def setup(master_config, tokenizer, dataset, val_dataset, processor=None, policy_factory=None):
+        called.append(master_config)  # NeMo-RL's signature (its setup needs Ray and GPUs)
+
+    assert list(inspect.signature(own_setup).parameters)[:4] == ["master_config", "tokenizer", "dataset",
+                                                                   "val_dataset"]
+    with pytest.raises(NemoRLConfigError, match="loss_fn.pg_agg='prompt_mean' is not a block"):
+        checked_setup(setup)(_config("prompt_mean"), None, None, None)
+    assert called == []
