@@ -235,9 +235,10 @@ class CollectionPlanner:
         from megatron_pg_agg.megatron.model import gather_parameters
 
         args = get_args()
-        # --overlap-param-gather: the last optimizer step updated only this rank's shards, and the
-        # forward pre-hooks of this collection's passes would not gather them (already dispatched
-        # in that step's forward): gather before any log-prob pass or state_dict read
+        # --overlap-param-gather: the last optimizer step updated only this rank's shards. The
+        # log-prob passes' forward pre-hooks gather them (finish_grad_sync re-armed the gather), but
+        # the reference swap below reads and restores state_dict() directly: gather first, so the
+        # collection does not depend on a forward having run before that read
         gather_parameters(model)
         groups = [list(g) for g in rollouts]
         self._check_groups(groups)

@@ -51,12 +51,24 @@ ITERS = 4
 # near 0 flips sign on float noise between layouts and later iterations differ at 1e-5 for no
 # reason of ours; SGD carries the 1e-7 differences on unamplified. (Resume is tested with Adam.)
 LAYOUT_OPTIMIZER = ["--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.05"]
+# The configuration large models train with (fp32 here: bf16 is measured in the trainer's
+# tests/distributed/test_production_config.py): Megatron-LM's own flags, its own handling (sync
+# functions, the gather before its checkpoints); buckets small enough for several bucket groups
+PRODUCTION = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+              "--ddp-bucket-size", "4000"]
+# megatron-core's distributed optimizer takes Adam only: those layouts run Adam, and beside each
+# mode a twin without the production flags (same layout, plain DDP, Adam) that every iteration is
+# compared with; their first iteration (before any update) is compared with DP1x4mb as the others
+ADAM = ["--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-3"]
+PLAIN_TWIN = "plain-adam-"
 # name -> (processes, flags); DP=2 cuts each step into 2 microbatches per rank, the others 4
 LAYOUTS = {
     "DP1x4mb": (1, []),
     "DP2": (2, []),
     "TP2": (2, ["--tensor-model-parallel-size", "2"]),
     "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "DP2-dist-opt-overlaps": (2, [*ADAM, *PRODUCTION]),
+    "PP2-dist-opt-overlaps": (2, ["--pipeline-model-parallel-size", "2", *ADAM, *PRODUCTION]),
 }
 LAUNCH_S = 240
 TENSORBOARD_RUN = ("DP2", "prompt_mean")
@@ -148,12 +160,14 @@ def layout_runs(checkout, work, initial_checkpoint, mtp_initial_checkpoint) -> d
                 "--train-iters", "1", "--load", str(mtp_initial_checkpoint), "--finetune",
                 "--pg-loss-aggregation", mode, *extra,
                 "--pg-metrics-file", str(work / f"{layout}_mtp-{mode}.jsonl")]})
-        for mode, extra in MODES.items():
-            metrics = work / f"{layout}_{mode}.jsonl"
+        twin = [f for f in flags if f not in PRODUCTION] if PRODUCTION[0] in flags else None
+        for name, mode, extra, layout_flags in [(m, m, e, flags) for m, e in MODES.items()] + (
+                [(PLAIN_TWIN + m, m, e, twin) for m, e in MODES.items()] if twin else []):
+            metrics = work / f"{layout}_{name}.jsonl"
             if (layout, mode) == TENSORBOARD_RUN:
                 extra = [*extra, "--tensorboard-dir", str(work / "tensorboard")]
-            runs.append({"name": mode, "argv": [
-                "--megatron-lm", str(checkout), *TINY, *LOSS, *LAYOUT_OPTIMIZER, *flags,
+            runs.append({"name": name, "argv": [
+                "--megatron-lm", str(checkout), *TINY, *LOSS, *LAYOUT_OPTIMIZER, *layout_flags,
                 "--train-iters", str(ITERS),
                 "--load", str(initial_checkpoint), "--finetune",
                 "--pg-loss-aggregation", mode, *extra, "--pg-metrics-file", str(metrics)]})
@@ -165,14 +179,18 @@ def layout_runs(checkout, work, initial_checkpoint, mtp_initial_checkpoint) -> d
 
 
 def test_every_layout_gives_the_same_objective_and_grad_norm(layout_runs):
-    """DP=2 (2 microbatches per rank), TP=2, PP=2 and one rank with 4 microbatches: the same
-    per-iteration objective, weight and grad norm in every mode. Catches any split-dependent
+    """DP=2 (2 microbatches per rank), TP=2, PP=2, DP=2 and PP=2 with Megatron-LM's
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, and one rank with 4
+    microbatches: the same per-iteration objective, weight and grad norm in every mode (the
+    overlapped layouts also catch a bucket reduced before its last microbatch and a step on stale
+    parameter shards). Catches any split-dependent
     normalisation: a per-microbatch or per-rank weight, a missing --calculate-per-token-loss
     contract, a TP-duplicated or PP-dropped report."""
     for mode in MODES:
-        base = layout_runs["DP1x4mb", mode]
-        assert [r["iteration"] for r in base] == list(range(1, ITERS + 1))
         for layout in LAYOUTS:
+            twin = layout_runs.get((layout, PLAIN_TWIN + mode))
+            base = layout_runs["DP1x4mb", mode] if twin is None else layout_runs["DP1x4mb", mode][:1] + twin[1:]
+            assert [r["iteration"] for r in base] == list(range(1, ITERS + 1))
             got = layout_runs[layout, mode]
             assert [r["iteration"] for r in got] == list(range(1, ITERS + 1)), (layout, mode)
             for ours, ref in zip(got, base):
@@ -306,19 +324,21 @@ def test_first_step_records_the_independent_single_process_reference(layout_runs
 def test_every_record_is_of_the_step_that_ran(layout_runs):
     """Every iteration of every layout and mode logs the W and valid-token count of the rollout
     step it trained on (iteration i: step (i - 1) mod 4, counted here from the masks and groups),
-    Megatron-LM's learning rate of the run (constant 0.05) and no skip. Catches a record made
+    Megatron-LM's learning rate of the run (constant: 0.05, Adam's 1e-3 on the distributed
+    optimizer's layouts) and no skip. Catches a record made
     from the next (or previous) step's plan, and a weight of one rank or microbatch."""
     from tests.support.reference import reference_weight
 
     steps = {k: _rollouts(k) for k in range(4)}
     assert len({reference_weight(steps[k], "token_mean") for k in steps}) == 4  # an off-by-one shows
     for (layout, name), records in layout_runs.items():
-        mode = name.removeprefix("mtp-")
+        mode = name.removeprefix("mtp-").removeprefix(PLAIN_TWIN)
+        lr = 1e-3 if ADAM[1] in LAYOUTS[layout][1] else 0.05  # the distributed optimizer's layouts: Adam
         for r in records:
             step = (r["iteration"] - 1) % 4
             assert r["rollout_step"] == step, (layout, mode, r)
             assert (r["weight"], r["valid_tokens"]) == reference_weight(steps[step], mode), (layout, mode, r)
-            assert r["learning_rate"] == 0.05 and r["skipped"] is False, (layout, mode, r)
+            assert r["learning_rate"] == lr and r["skipped"] is False, (layout, mode, r)
 
 
 def _policy_variants() -> dict:

@@ -50,6 +50,10 @@ EPS, KL_BETA, DIVISOR = 0.01, 0.001, 32.0
 MODES = {"token_mean": [], "seq_mean": [], "prompt_mean": [],
          "constant": ["--pg-loss-aggregation-divisor", str(DIVISOR)]}
 POLICY_LOSSES = ("ppo", "gspo", "gmpo", "cispo")
+PRODUCTION = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+              "--ddp-bucket-size", "4000"]
+# megatron-core's distributed optimizer takes Adam only: its runs, and their plain-DDP twins, use it
+ADAM = ["--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-3"]
 LAYOUTS = {  # packed THD microbatches (the default) on every layout; DP1 also one sequence per microbatch
     "DP1": (1, []),
     "DP2": (2, []),
@@ -156,7 +160,12 @@ def layout_runs(checkout, work, replay, initial_checkpoint) -> dict:
                 runs[("unpacked", mode)] = ["--no-pg-sequence-packing", "--pg-loss-aggregation", mode, *extra]
             runs["rl-packing-flag"] = ["--rl-use-sequence-packing"]
             runs["no-plan-ahead"] = ["--no-pg-plan-ahead"]
-        if layout == "DP2":
+        if layout == "DP2":  # Megatron-LM's production flags, every mode (test_the_production_flags_...)
+            for mode, extra in MODES.items():
+                # two collections: the second's log-prob passes read the weights one update left
+                two = ["--train-iters", str(2 * ITERS)]
+                runs[("production", mode)] = ["--pg-loss-aggregation", mode, *extra, *ADAM, *two, *PRODUCTION]
+                runs[("production-twin", mode)] = ["--pg-loss-aggregation", mode, *extra, *ADAM, *two]
             runs["ours-tensorboard"] = ["--pg-loss-aggregation", "prompt_mean", "--tensorboard-dir",
                                         str(work / "tensorboard")]
             runs["lr-ours"] = LR_SCHEDULE
@@ -180,7 +189,7 @@ def test_every_layout_gives_the_same_objective_and_grad_norm_in_every_mode_and_p
     base = layout_runs["DP1"]
     for layout in ("DP2", "TP2", "PP2"):
         for key, records in layout_runs[layout].items():
-            if not isinstance(key, tuple) or key[0] == "unpacked":
+            if not isinstance(key, tuple) or key[0] in ("unpacked", "production", "production-twin"):
                 continue
             want = base[key]
             assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), (layout, key)
@@ -190,6 +199,25 @@ def test_every_layout_gives_the_same_objective_and_grad_norm_in_every_mode_and_p
                 assert err[0] < 1e-6 and err[1] < 1e-6, (layout, key, got, ref)
                 assert (got["weight"], got["valid_tokens"]) == (ref["weight"], ref["valid_tokens"]), (layout, key)
     print("worst (objective, grad norm) relative error per layout:", worst)
+
+
+def test_the_production_flags_keep_every_mode_exact(layout_runs):
+    """DP=2 with Megatron-LM's --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    (small buckets, Adam: the only optimizer it takes), two collections, every iteration and mode, against the same
+    run with plain DDP, and its first iteration against one rank: the reduce-scattered, overlapped
+    gradients and the all-gathered parameters change no number. Catches a bucket reduced before its
+    last microbatch (the microbatch count varies), and a second collection or step on stale shards."""
+    worst = (0.0, 0.0)
+    for mode in MODES:
+        twin, one_rank = layout_runs["DP2"][("production-twin", mode)], layout_runs["DP1"][(mode, "ppo")]
+        got_all, want_all = layout_runs["DP2"][("production", mode)], one_rank[:1] + twin[1:]
+        assert [r["iteration"] for r in got_all] == list(range(1, 2 * ITERS + 1)), mode
+        for got, ref in zip(got_all, want_all):
+            err = (_objective_err(got["objective"], ref["objective"]), _rel(got["grad_norm"], ref["grad_norm"]))
+            worst = tuple(map(max, worst, err))
+            assert err[0] < 1e-6 and err[1] < 1e-6, (mode, got, ref)
+            assert (got["weight"], got["valid_tokens"]) == (ref["weight"], ref["valid_tokens"]), mode
+    print("production flags, worst (objective, grad norm) relative error:", worst)
 
 
 def test_packed_steps_equal_one_sequence_per_microbatch(layout_runs):
@@ -275,7 +303,7 @@ def test_first_step_equals_the_independent_float64_reference(layout_runs, replay
         for key, records in runs.items():
             if not isinstance(key, tuple):
                 continue
-            mode, policy = (key[1], "ppo") if key[0] == "unpacked" else key
+            mode, policy = (key[1], "ppo") if key[0] in ("unpacked", "production", "production-twin") else key
             want = reference_record(rollouts, current, LossNumbers(
                 mode=mode, policy=policy, eps_low=EPS, eps_high=EPS, divisor=DIVISOR if mode == "constant" else None,
                 kl_coef=KL_BETA))
