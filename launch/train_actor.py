@@ -1,6 +1,7 @@
 """torchrun entry point: train a PPO/GRPO actor with megatron-core and megatron_pg_agg.
 
-    torchrun --nproc_per_node 2 launch/train_actor.py                  # built-in synthetic rollouts
+    torchrun --nproc_per_node 2 launch/train_actor.py                  # online GRPO on the built-in reach task
+    torchrun --nproc_per_node 2 launch/train_actor.py --rollouts synthetic   # the tests' fixed synthetic replay
     torchrun --nproc_per_node 8 launch/train_actor.py --rollouts steps.jsonl \\
         --tensor-model-parallel-size 2 --pg-loss-aggregation seq_mean ...
 

@@ -1,5 +1,7 @@
-"""The built-in rollout set: what the trainer and the Megatron-LM entry train on when no
-``--pg-rollouts`` file is given (and what their tests and the README's first command use)."""
+"""The built-in synthetic rollout set: what the trainer replays with ``--rollouts synthetic``
+(``launch/train_actor.py``; without ``--rollouts`` it trains online instead), and what the
+Megatron-LM entries train on when no ``--pg-rollouts`` file is given. Four fixed steps, replayed
+in turn: a fixture for the tests (exact objectives, layouts, checkpoints), not a task to learn."""
 from __future__ import annotations
 
 import math

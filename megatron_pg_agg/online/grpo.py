@@ -38,7 +38,7 @@ from megatron_pg_agg.data.plan_ahead import PlanAhead
 from megatron_pg_agg.data.rollouts import Rollout, RolloutBatch
 from megatron_pg_agg.integrations.step_weights import gather_over_dp
 from megatron_pg_agg.megatron.logprob_pass import planned_logprobs
-from megatron_pg_agg.training.metrics import new_run_id
+from megatron_pg_agg.megatron.model import gather_parameters
 from megatron_pg_agg.training.trainer import RunState, Session, _iteration_planner, new_optimizer, train_step
 
 from .reach import EOS, ReachTask
@@ -97,15 +97,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, divide_by_std: b
 
 
 def step_batch(task: ReachTask, targets: list, responses: list, logprobs: list, advantages: torch.Tensor,
-               group_size: int) -> RolloutBatch:
+               group_size: int, vocab_size: Optional[int] = None) -> RolloutBatch:
     """The step's rollouts: response ``i`` answers ``targets[i // group_size]``, every token
     trained (``loss_mask`` 1), its advantage broadcast over the tokens, its behaviour log-probs
-    as ``old_logprobs``."""
+    as ``old_logprobs``. Token ids are checked below ``vocab_size`` (the model's; default: the
+    task's), as a sampled token may be any id of the model's vocabulary."""
     rollouts = [Rollout(prompt_ids=task.prompt(targets[i // group_size]), response_ids=resp,
                         loss_mask=[1] * len(resp), advantages=[float(advantages[i])] * len(resp),
                         old_logprobs=lp, group_id=i // group_size)
                 for i, (resp, lp) in enumerate(zip(responses, logprobs))]
-    return RolloutBatch.from_rollouts(rollouts, vocab_size=task.vocab_size)
+    return RolloutBatch.from_rollouts(rollouts, vocab_size=vocab_size or task.vocab_size)
 
 
 def _seeded(*parts: int) -> int:
@@ -120,14 +121,16 @@ class OnlineRun:
     """The trainer's :class:`~megatron_pg_agg.training.trainer.Session` driven online.
 
     ``session``: from :func:`~megatron_pg_agg.training.trainer.setup` with an empty step set; its
-    model is trained in place. :meth:`reset` puts back given weights and a fresh optimizer, so
-    several variants run from the same checkpoint in one process."""
+    model is trained in place, its optimizer and iteration counter (a resumed run's) are kept until
+    :meth:`reset`, which puts back given weights and a fresh optimizer, so several variants run
+    from the same checkpoint in one process."""
 
     def __init__(self, session: Session, task: ReachTask):
         self.s, self.task = session, task
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self._plan_online()
 
     # ------------------------------------------------------------------ weights and optimizer
     def snapshot(self) -> list:
@@ -138,23 +141,29 @@ class OnlineRun:
         return (p for chunk in self.s.model for p in chunk.parameters())
 
     def reset(self, weights: Optional[list], loss: PGLossConfig, lr: float) -> None:
-        """Parameters from ``weights`` (None: keep), a fresh Adam at ``lr``, the loss ``loss``,
-        iteration 0 and a new run id: a new run on the same process groups and model."""
+        """Parameters from ``weights`` (None: keep), a fresh Adam at ``lr``, the loss ``loss`` and
+        iteration 0: a new run on the same process groups and model (and the same run id, which
+        the session's metrics records carry)."""
         if weights is not None:
             with torch.no_grad():
                 for p, w in zip(self._parameters(), weights):
                     p.copy_(w)
         cfg = self.s.cfg
         cfg = dataclasses.replace(cfg, loss=loss, training=dataclasses.replace(cfg.training, lr=lr))
+        self.s = dataclasses.replace(self.s, cfg=cfg, optimizer=new_optimizer(cfg, self.s.model),
+                                     state=RunState(run_id=self.s.state.run_id))
+        self._plan_online()
+
+    def _plan_online(self) -> None:
+        """The session's plans from here: iteration k's rollouts come from the weights iteration
+        k - 1 left, so nothing is planned ahead; each iteration is planned when it comes, from the
+        batch of the moment (:meth:`_set_batch`), once for all its updates."""
         self.s.plans.close()
         steps: dict = {}
         self.s = dataclasses.replace(
-            self.s, cfg=cfg, steps=steps, optimizer=new_optimizer(cfg, self.s.model),
-            state=RunState(run_id=new_run_id()),
-            # online: step k's rollouts come from the weights step k - 1 left, so nothing is
-            # planned ahead; each iteration is planned when it comes, from the batch of the moment
-            plans=PlanAhead(_iteration_planner(cfg, self.s.plan_cfg, steps, 0), itertools.count(),
-                            enabled=False))
+            self.s, steps=steps,
+            plans=PlanAhead(_iteration_planner(self.s.cfg, self.s.plan_cfg, steps, 0),
+                            itertools.count(self.s.state.iteration), enabled=False))
 
     # ------------------------------------------------------------------ warm-up
     def warm_up(self, cfg: GrpoConfig, seed: int, weights: Optional[list] = None) -> dict:
@@ -181,24 +190,46 @@ class OnlineRun:
         ``moved_error``, the same after the step's updates (a control: it must be well above the
         first once the weights have moved)."""
         t0 = time.perf_counter()
+        stats, updates, checks, sample_s = self._rl_updates(cfg, seed, step, check_on_policy=check_on_policy)
+        return {"step": step, **stats,
+                "objective": updates[0]["objective"], "ratio_first": updates[0].get("ratio"),
+                "grad_norm": updates[0]["grad_norm"], "clip_fraction_last": updates[-1].get("clip_fraction"),
+                **checks, "sample_s": sample_s, "step_s": time.perf_counter() - t0}
+
+    def iteration(self, cfg: GrpoConfig, seed: int) -> dict:
+        """The main job's iteration (``launch/train_actor.py`` online): RL step
+        ``s.state.iteration`` of ``seed`` (:meth:`rl_step`'s sampling, scoring and updates). The
+        record is the trainer's record of the batch's last update (its ``iteration`` the number of
+        batches done) with ``objective_first`` (the on-policy update's), what was sampled
+        (``accuracy``, ``response_length``, :func:`response_stats`), ``sample_s`` and
+        ``iteration_s`` (sampling and every update)."""
+        t0 = time.perf_counter()
+        step = self.s.state.iteration
+        stats, updates, _, sample_s = self._rl_updates(cfg, seed, step)
+        return {**updates[-1], "rollout_step": step, "objective_first": updates[0]["objective"], **stats,
+                "sample_s": sample_s, "iteration_s": time.perf_counter() - t0}
+
+    def _rl_updates(self, cfg: GrpoConfig, seed: int, step: int, *, check_on_policy: bool = False) -> tuple:
+        """RL step ``step``: ``(response stats, the updates' trainer records, on-policy checks,
+        sampling seconds)``. The ``updates_per_batch`` updates train one plan of the batch; the
+        iteration counter advances once, with the last."""
+        t0 = time.perf_counter()
         targets, responses, logprobs = self._sample(cfg, (seed, 2, step), (seed, 3, step))
         sample_s = time.perf_counter() - t0
         group_targets = [t for t in targets for _ in range(cfg.group_size)]
         rewards = self.task.scores(group_targets, responses)
         advantages = group_advantages(rewards, cfg.group_size, divide_by_std=cfg.divide_by_std)
-        batch = step_batch(self.task, targets, responses, logprobs, advantages, cfg.group_size)
+        batch = step_batch(self.task, targets, responses, logprobs, advantages, cfg.group_size,
+                           vocab_size=self.s.cfg.model.vocab_size)
+        self._set_batch(batch, step)
         checks = {}
         if check_on_policy:
-            self._set_batch(batch, step)
-            plan = self.s.plans.get(self.s.state.iteration)  # the plan the first update then trains on
+            plan = self.s.plans.get(self.s.state.iteration)  # the plan the updates then train on
             checks["on_policy_error"] = self._logprob_error(plan)
-        updates = [self._train(batch, step) for _ in range(cfg.updates_per_batch)]
+        updates = [train_step(self.s, advance=u == cfg.updates_per_batch - 1) for u in range(cfg.updates_per_batch)]
         if check_on_policy:
             checks["moved_error"] = self._logprob_error(plan)
-        return {"step": step, **response_stats(rewards, responses, self.task),
-                "objective": updates[0]["objective"], "ratio_first": updates[0].get("ratio"),
-                "grad_norm": updates[0]["grad_norm"], "clip_fraction_last": updates[-1].get("clip_fraction"),
-                **checks, "sample_s": sample_s, "step_s": time.perf_counter() - t0}
+        return response_stats(rewards, responses, self.task), updates, checks, sample_s
 
     def evaluate(self, cfg: GrpoConfig, seed: int) -> dict:
         """:func:`response_stats` of one step's worth of samples from the current weights, on
@@ -217,6 +248,10 @@ class OnlineRun:
                      (self.dp_rank + 1) * cfg.prompts_per_step // self.dp_size)
         prompts = torch.tensor([self.task.prompt(t) for t in targets[mine] for _ in range(cfg.group_size)])
         generator = torch.Generator().manual_seed(_seeded(*draw_seed, self.dp_rank))
+        # --overlap-param-gather: the gather is a collective that the first forward after an update
+        # would start, and each rank's sampler runs its own number of forwards; gathered here, every
+        # rank at once, the sampler's forwards start none
+        gather_parameters(self.s.model)
         samples = sample_responses(self.s.model[0], prompts, max_new_tokens=self.task.max_response_tokens,
                                    eos=EOS, generator=generator)
         local = ([samples.response(i) for i in range(len(prompts))],
@@ -258,6 +293,6 @@ def response_stats(rewards: torch.Tensor, responses: list, task: ReachTask) -> d
     def mean_where(mask):
         return float(lengths[mask].mean()) if bool(mask.any()) else float("nan")
 
-    return {"accuracy": float(correct.double().mean()), "length_correct": mean_where(correct),
-            "length_incorrect": mean_where(~correct), "truncated": float(truncated.double().mean()),
-            "responses": len(responses)}
+    return {"accuracy": float(correct.double().mean()), "response_length": float(lengths.mean()),
+            "length_correct": mean_where(correct), "length_incorrect": mean_where(~correct),
+            "truncated": float(truncated.double().mean()), "responses": len(responses)}

@@ -30,25 +30,22 @@ logger = logging.getLogger(__name__)
 
 
 def online_problems(cfg: RunConfig, grpo: GrpoConfig, world: int) -> list:
-    """What the online entry refuses before any process group: sampling runs the model's own
-    forward on one pipeline stage with whole logits, and the prompts split evenly over DP."""
-    par = cfg.parallel
-    problems = [f"{name}={size}: the online sampler needs 1 (it runs the model's whole forward on every rank)"
-                for name, size in (("--tensor-model-parallel-size", par.tp),
-                                   ("--pipeline-model-parallel-size", par.pp),
-                                   ("--context-parallel-size", par.cp)) if size != 1]
-    if cfg.model.hf_model:
-        problems.append("--hf-model: the reach task has its own vocabulary; it trains the built-in GPT")
-    if not problems and grpo.prompts_per_step % world:
-        problems.append(f"--prompts-per-step {grpo.prompts_per_step} does not split evenly over {world} DP ranks")
-    return problems
+    """What the online entry refuses before any process group: the trainer's own online checks
+    (:meth:`RunConfig.online_problems`: the sampler runs the model's whole forward on every rank,
+    a different number of times on each; the prompts split evenly over DP), and ``--rollouts``."""
+    if cfg.online is None:
+        return ["--rollouts: grpo_reach samples its rollouts from the live policy; it reads no rollout file"]
+    return cfg.online_problems(world)
 
 
 def run_comparison(args, variants: list, extra: list) -> int:
     task = ReachTask()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        base = RunConfig.from_args(parse_flags(trainer_flags(task, "token_mean", extra)))
+        online = ["--prompts-per-step", args.prompts_per_step, "--group-size", args.group_size,
+                  "--updates-per-batch", args.updates_per_batch, "--warmup-steps", args.warmup_steps,
+                  "--warmup-lr", args.warmup_lr]
+        base = RunConfig.from_args(parse_flags(trainer_flags(task, "token_mean", [*map(str, online), *extra])))
         grpo = GrpoConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                           updates_per_batch=args.updates_per_batch, steps=args.steps, lr=args.rl_lr,
                           warmup_steps=args.warmup_steps, warmup_lr=args.warmup_lr)
@@ -61,7 +58,9 @@ def run_comparison(args, variants: list, extra: list) -> int:
         return 2
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     try:
-        session = setup(base, steps={})
+        session = setup(base, steps={}, data=f"online GRPO on the reach task: {len(variants)} variant(s), each "
+                                             f"its own mode, {grpo.prompts_per_step} prompts x {grpo.group_size} "
+                                             "samples per step")
     except StartupError as err:  # the trainer's own start-up checks (every rank reaches the same)
         logger.error(str(err))
         release_process_group()

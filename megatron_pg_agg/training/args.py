@@ -33,9 +33,10 @@ PG_FLAGS = (
              "J = sum of token losses / (active sequences * L)")),
     ("--pg-clip-eps", dict(type=float, default=0.2,
                            help="PPO clip epsilon (lower; also upper unless --pg-clip-eps-high)")),
-    ("--pg-clip-eps-high", dict(type=float, default=None, help="PPO upper clip epsilon (DAPO clip-higher)")),
+    ("--pg-clip-eps-high", dict(type=float, default=None,
+                                help="PPO upper clip epsilon (DAPO clip-higher; default: --pg-clip-eps)")),
     ("--pg-dual-clip", dict(type=float, default=None, metavar="C",
-                            help="dual-clip constant C > 1 for negative advantages")),
+                            help="dual-clip constant C > 1 for negative advantages (default: off)")),
     ("--pg-kl-coef", dict(type=float, default=0.0, help="KL penalty weight against the reference policy (token mean)")),
     ("--pg-kl-estimator", dict(default="k3", choices=KL_ESTIMATORS, help="per-token KL estimator")),
     ("--pg-entropy-coef", dict(type=float, default=0.0, help="entropy bonus weight (token mean)")),
@@ -46,7 +47,7 @@ PG_FLAGS = (
     ("--pg-rollout-correction", dict(
         default=None, choices=ROLLOUT_CORRECTIONS,
         help="rollout-engine correction from the rollouts' rollout_logprobs: token_truncate (TIS), "
-             "token_mask, sequence_truncate, sequence_mask (PG term only)")),
+             "token_mask, sequence_truncate, sequence_mask (PG term only; default: off)")),
     ("--pg-rollout-correction-max", dict(type=float, default=2.0, metavar="C",
                                          help="cap of the correction weight; upper bound of the masks")),
     ("--pg-rollout-correction-min", dict(type=float, default=0.0, metavar="c",

@@ -18,11 +18,11 @@ def main(argv=None) -> int:
     keep_freed_memory()
     setup_logging("[train]")
     quiet_startup_noise(verbose=verbose_requested(argv), outside_info=True)
+    namespace = parse_flags(argv)  # before megatron-core is imported: --help and usage errors come at once
     # imported only now: the trainer imports megatron.core, whose start-up warnings
     # quiet_startup_noise must be in place for
     from .trainer import NonFiniteStepError, train  # noqa: PLC0415
 
-    namespace = parse_flags(argv)
     try:
         train(RunConfig.from_args(namespace))
     except StartupError as err:

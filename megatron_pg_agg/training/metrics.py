@@ -54,7 +54,8 @@ class MetricsLog:
         bar = "#" * done + "-" * (width - done)
         shown = " ".join(
             f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
-            for k in ("objective", "weight", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_s")
+            for k in ("accuracy", "response_length", "objective", "weight", "clip_fraction", "kl", "entropy",
+                      "grad_norm", "tokens_per_s")
             if record.get(k) is not None)
         # [sum, count] pairs (MoE router losses, mtp_loss): shown and written as their value
         pairs = {k: v[0] / v[1] for k, v in record.items() if isinstance(v, list) and len(v) == 2 and v[1]}

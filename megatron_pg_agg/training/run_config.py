@@ -25,6 +25,7 @@ from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.data.output_folder import HF_KIND, output_folder_problem
 from megatron_pg_agg.data.planner import PlanConfig
 from megatron_pg_agg.megatron.layout import ParallelSizes
+from megatron_pg_agg.online.reach import ReachTask
 from megatron_pg_agg.patches import mtp_loss
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version, release_problem
 
@@ -37,6 +38,7 @@ __all__ = [
     "LoggingConfig",
     "MoEConfig",
     "ModelConfig",
+    "OnlineConfig",
     "ParallelConfig",
     "RunConfig",
     "StartupError",
@@ -65,14 +67,51 @@ class StartupError(ValueError):
 # ----------------------------------------------------------------------------- flags
 
 
+DESCRIPTION = """\
+Train a PPO/GRPO actor with megatron-core (torchrun entry point).
+
+By default (no --rollouts) it runs online GRPO on the built-in verifiable task, "reach"
+(docs/length-bias.md): a short supervised warm-up on the task's demonstrations, then every
+iteration samples --prompts-per-step x --group-size responses from the live policy, scores them
+with the task's verifier (reward 1 or 0), turns the rewards into group advantages and trains on
+them (--updates-per-batch optimizer steps, the --pg-* loss). Each iteration prints the accuracy
+and the mean response length beside the objective.
+
+--rollouts FILE trains offline on rollouts you scored elsewhere: a JSON Lines file, one response
+a line with its per-token advantages and old log-probs (docs/rollout-format.md). There is no
+tokenizer: token ids are integers below --vocab-size. --rollouts synthetic replays a built-in
+set of four fixed synthetic steps (what the tests use; nothing is learned from it)."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` with every flag's default: argparse's ``(default: X)``, ``off`` for a switch,
+    nothing added where the help already names the default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return f"{text} (default: {'none' if action.default is None else '%(default)s'})"
+
+
+SYNTHETIC = "synthetic"
+"""``--rollouts synthetic``: the built-in synthetic replay (a file of that name: ``./synthetic``)."""
+
+ONLINE_FLAGS = ("prompts_per_step", "group_size", "updates_per_batch", "warmup_steps", "warmup_lr",
+                "advantage_std")
+"""Destinations of the online run's own flags (refused with --rollouts, where they do nothing)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``launch/train_actor.py`` (Megatron-style names, plus the ``--pg-*`` loss flags)."""
-    parser = argparse.ArgumentParser(
-        prog="train_actor", description="Train a PPO/GRPO actor with megatron-core (torchrun entry point).")
+    parser = argparse.ArgumentParser(prog="train_actor", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    _add_data_args(parser)
     hf = parser.add_argument_group("Hugging Face models (Python 3.12, Megatron-Bridge; docs/hf-models.md)")
     hf.add_argument("--hf-model", default=None, metavar="PATH",
                     help="a local HF causal-LM folder (config.json + safetensors): the model's shape and weights "
-                         "come from it; a model flag that disagrees with its config is refused")
+                         "come from it; a model flag that disagrees with its config is refused (needs --rollouts)")
     hf.add_argument("--save-hf", default=None, metavar="DIR",
                     help="write the trained model as an HF folder (config, safetensors, the source's tokenizer "
                          "files) at the end, atomically; needs --hf-model. DIR must be new, empty or an earlier "
@@ -80,64 +119,94 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--save-hf-interval", type=int, default=None, metavar="N",
                     help="also write --save-hf every N iterations")
     model = parser.add_argument_group("model (Megatron-style)")
-    model.add_argument("--num-layers", type=int, default=2)
-    model.add_argument("--hidden-size", type=int, default=64)
-    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--vocab-size", type=int, default=128, help="must cover every token id of the rollouts")
-    model.add_argument("--max-position-embeddings", type=int, default=256)
-    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--num-layers", type=int, default=2, help="transformer layers")
+    model.add_argument("--hidden-size", type=int, default=64, help="hidden size")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default: 4 x hidden)")
+    model.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    model.add_argument("--vocab-size", type=int, default=128,
+                       help="vocabulary: must exceed every token id of the rollouts (online: the task's 100 ids)")
+    model.add_argument("--max-position-embeddings", type=int, default=256, help="longest prompt + response")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="separate input embedding and output layer weights")
     par = parser.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    par.add_argument("--context-parallel-size", type=int, default=1)
-    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP (offline only)")
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP (offline only)")
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                     help="the interleaved pipeline schedule (default: none)")
+    par.add_argument("--context-parallel-size", type=int, default=1, help="CP (a GPU with TE; offline only)")
+    par.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism under TP (a GPU with TE)")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                      help="process-group timeout: a dead or hung rank fails the job after this")
     par.add_argument("--batch-p2p-comm", action="store_true",
                      help="batched pipeline p2p (refused with the interleaved schedule on gloo)")
     par.add_argument("--no-calculate-per-token-loss", dest="calculate_per_token_loss", action="store_false",
-                     help="(refused) Megatron's default mean-of-microbatch-means")
+                     help="(refused) Megatron's default mean-of-microbatch-means (default: per-token loss on)")
     _add_precision_and_ddp_args(parser)
     moe = parser.add_argument_group("mixture of experts (Megatron-style; every layer's MLP is a MoE layer)")
     moe.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense model)")
     moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (>= 2)")
     moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing (aux) loss coefficient")
-    moe.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient")
-    moe.add_argument("--expert-model-parallel-size", type=int, default=1)
-    moe.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    moe.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient (default: none)")
+    moe.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP")
+    moe.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather",
+                     help="megatron-core's token dispatcher")
     mtp = parser.add_argument_group("multi-token prediction (Megatron-style; docs/mtp.md)")
     mtp.add_argument("--mtp-num-layers", type=int, default=None,
                      help="MTP depths on the last pipeline stage (default: none)")
     mtp.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                      help="f: the MTP loss is f x the mean over depths of each depth's token mean")
     batching = parser.add_argument_group("batching").add_mutually_exclusive_group()
-    batching.add_argument("--max-tokens-per-microbatch", type=int, default=None)
+    batching.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                          help="capacity of a microbatch in padded tokens (default: none; the count instead)")
     batching.add_argument("--num-microbatches", type=int, default=None,
-                          help=f"per DP rank (default {DEFAULT_NUM_MICROBATCHES})")
+                          help=f"microbatches per DP rank (default: {DEFAULT_NUM_MICROBATCHES} without a token cap)")
+    _add_training_args(parser)
+    add_pg_agg_args(parser)
+    return parser
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    """Where the data comes from: ``--rollouts``, and the online run's flags (without it)."""
+    data = parser.add_argument_group("data: online GRPO on the reach task (default), or --rollouts")
+    data.add_argument("--rollouts", default=None, metavar="FILE|synthetic",
+                      help="train offline: a JSON Lines file of scored rollouts (per-token advantages and old "
+                           "log-probs, token ids below --vocab-size; docs/rollout-format.md), or 'synthetic' for "
+                           "the built-in replay of four fixed steps (default: none, online GRPO on the reach task)")
+    data.add_argument("--prompts-per-step", type=int, default=64,
+                      help="online: prompts (groups) sampled per iteration, split evenly over the DP ranks")
+    data.add_argument("--group-size", type=int, default=8, help="online: responses sampled per prompt")
+    data.add_argument("--updates-per-batch", type=int, default=4,
+                      help="online: optimizer steps (PPO epochs) on each sampled batch, each over the whole batch")
+    data.add_argument("--warmup-steps", type=int, default=60,
+                      help="online: supervised warm-up steps on the task's demonstrations before RL (0: none)")
+    data.add_argument("--warmup-lr", type=float, default=3e-3, help="online: Adam learning rate of the warm-up")
+    data.add_argument("--advantage-std", action=argparse.BooleanOptionalAction, default=True,
+                      help="online: divide group advantages by the group's reward std (GRPO); "
+                           "--no-advantage-std: r - mean (Dr. GRPO)")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--clip-grad", type=float, default=1.0)
-    train.add_argument("--train-iters", type=int, default=20)
-    train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--rollouts", default=None,
-                       help="rollout JSONL (docs/rollout-format.md); default: built-in synthetic set")
-    train.add_argument("--save", default=None, help="checkpoint directory")
-    train.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
-    train.add_argument("--load", default=None, help="resume from this checkpoint directory")
+    train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (online: of the RL phase)")
+    train.add_argument("--weight-decay", type=float, default=0.0, help="Adam weight decay")
+    train.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip")
+    train.add_argument("--train-iters", type=int, default=20,
+                       help="iterations (offline: optimizer steps; online: sampled batches)")
+    train.add_argument("--seed", type=int, default=1234,
+                       help="seed of the weights, the online prompts, samples and warm-up, the synthetic set")
+    train.add_argument("--save", default=None, help="checkpoint directory (default: none)")
+    train.add_argument("--save-interval", type=int, default=None,
+                       help="iterations between checkpoints (default: the final one only)")
+    train.add_argument("--load", default=None, help="resume from this checkpoint directory (default: none)")
     train.add_argument("--metrics-file", default=None,
-                       help="per-step metrics JSONL (default: <save>/metrics.jsonl, else "
+                       help="per-iteration metrics JSONL (default: <save>/metrics.jsonl, else "
                             "runs/train_actor/metrics.jsonl)")
     train.add_argument("--tensorboard-dir", default=None, help="TensorBoard logs, if tensorboard is installed")
     train.add_argument("--verbose", action="store_true",
                        help="show every start-up line of megatron-core, Megatron-Bridge and transformers (the known "
                             "noise is silenced by default; also MEGATRON_PG_AGG_VERBOSE=1)")
-    train.add_argument("--log-interval", type=int, default=1)
+    train.add_argument("--log-interval", type=int, default=1, help="iterations between logged records")
     add_plan_ahead_arg(train)
-    add_pg_agg_args(parser)
-    return parser
 
 
 def _add_precision_and_ddp_args(parser: argparse.ArgumentParser) -> None:
@@ -353,8 +422,9 @@ class DataConfig:
     """Where the rollouts come from and how a step is cut into microbatches."""
 
     rollouts: Optional[str] = None
-    """Rollout JSON Lines file (``--rollouts``; Megatron-LM: ``--pg-rollouts``); None: the
-    built-in synthetic set."""
+    """Rollout JSON Lines file (``--rollouts FILE``; Megatron-LM: ``--pg-rollouts``); None: the
+    built-in synthetic set (``--rollouts synthetic``), or, in a trainer run with
+    :attr:`RunConfig.online` set, no file (the rollouts are sampled)."""
     max_tokens_per_microbatch: Optional[int] = None
     """Capacity of one microbatch in padded tokens (``--max-tokens-per-microbatch``; Megatron-LM:
     ``--seq-length``); None: no cap, the count is ``num_microbatches``."""
@@ -364,17 +434,20 @@ class DataConfig:
     plan_ahead: bool = True
     """Plan step ``k + 1`` on a background host thread while step ``k`` runs (``--pg-plan-ahead``,
     the default; ``--no-pg-plan-ahead``: each step planned when it starts). The plans are identical
-    either way (:mod:`megatron_pg_agg.data.plan_ahead`)."""
+    either way (:mod:`megatron_pg_agg.data.plan_ahead`). Off in the online run, whatever the flag:
+    step ``k + 1``'s rollouts are sampled from the weights step ``k`` leaves."""
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> "DataConfig":
         """From ``launch/train_actor.py``'s flags."""
         capped = namespace.max_tokens_per_microbatch is not None
+        online = namespace.rollouts is None
         return cls(
-            rollouts=namespace.rollouts,
+            rollouts=None if namespace.rollouts in (None, SYNTHETIC) else namespace.rollouts,
             max_tokens_per_microbatch=namespace.max_tokens_per_microbatch,
             num_microbatches=None if capped else (namespace.num_microbatches or DEFAULT_NUM_MICROBATCHES),
-            plan_ahead=namespace.pg_plan_ahead,
+            # online, a step's rollouts exist only once the previous step has trained
+            plan_ahead=namespace.pg_plan_ahead and not online,
         )
 
     @classmethod
@@ -400,6 +473,42 @@ class DataConfig:
             num_microbatches=self.num_microbatches if num_microbatches is None else num_microbatches,
             max_tokens_per_microbatch=self.max_tokens_per_microbatch, microbatch_tokens=microbatch_tokens,
             uniform_microbatch_tokens=uniform_microbatch_tokens, vocab_size=vocab_size)
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """The online run (``launch/train_actor.py`` without ``--rollouts``): GRPO on the built-in reach
+    task (:mod:`megatron_pg_agg.online`), each iteration's rollouts sampled from the live policy,
+    scored by the task's verifier, with group advantages; the loss is the run's ``--pg-*`` loss."""
+
+    prompts_per_step: int = 64
+    """Prompts (groups) sampled per iteration (``--prompts-per-step``), split evenly over DP."""
+    group_size: int = 8
+    """Responses sampled per prompt (``--group-size``, >= 2: the advantages are group-relative)."""
+    updates_per_batch: int = 4
+    """Optimizer steps on each sampled batch (``--updates-per-batch``), each over the whole batch:
+    the first is on-policy (PPO ratio 1), the later ones are clipped against the behaviour log-probs."""
+    warmup_steps: int = 60
+    """Supervised steps on the task's demonstrations before RL (``--warmup-steps``; 0: none).
+    Skipped when ``--load`` resumes a run."""
+    warmup_lr: float = 3e-3
+    """Adam learning rate of the warm-up (``--warmup-lr``); the RL phase uses ``--lr``."""
+    advantage_std: bool = True
+    """Group advantages divided by the group's reward std, GRPO's (``--advantage-std``);
+    False: ``r - mean``, Dr. GRPO's (``--no-advantage-std``)."""
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> Optional["OnlineConfig"]:
+        """The online settings of ``launch/train_actor.py``'s flags; None with ``--rollouts`` (offline),
+        where an online flag given on the command line is refused (it would do nothing)."""
+        if namespace.rollouts is None:
+            return cls(**{name: getattr(namespace, name) for name in ONLINE_FLAGS})
+        given = sorted(f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS
+                       if name in getattr(namespace, "explicit", ()))
+        if given:
+            raise StartupError(f"{', '.join(given)} only act(s) on the online run, without --rollouts: drop "
+                               f"them, or drop --rollouts {namespace.rollouts}")
+        return None
 
 
 @dataclass(frozen=True)
@@ -483,6 +592,9 @@ class RunConfig:
     """Saving and resuming."""
     logging: LoggingConfig = LoggingConfig()
     """Metrics output."""
+    online: Optional[OnlineConfig] = None
+    """The online run's settings (``launch/train_actor.py`` without ``--rollouts``); None: offline,
+    on ``data.rollouts`` (a file, or the synthetic set)."""
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> "RunConfig":
@@ -527,6 +639,7 @@ class RunConfig:
                 metrics_file=ns.metrics_file or os.path.join(ns.save or DEFAULT_RUN_DIR, "metrics.jsonl"),
                 tensorboard_dir=ns.tensorboard_dir, log_interval=ns.log_interval,
             ),
+            online=OnlineConfig.from_args(ns),
         )
 
     @property
@@ -635,6 +748,52 @@ class RunConfig:
             problems.append(f"--load {ckpt.load}: no such directory")
         if self.data.rollouts and not os.path.isfile(self.data.rollouts):
             problems.append(f"--rollouts {self.data.rollouts}: no such file")
+        problems.extend(self.online_problems(world_size))
+        return problems
+
+    def online_problems(self, world_size: int) -> list:
+        """What the online run (no ``--rollouts``) cannot do, each naming the offline way: the
+        sampler runs the model's whole forward on every rank, a different number of times on each
+        (so no collective may run inside a forward), and the task brings its own tokens and no
+        reference or rollout-engine log-probs. Empty offline."""
+        online = self.online
+        if online is None:
+            return []
+        model, par, loss, task = self.model, self.parallel, self.loss, ReachTask()
+        cannot = [f"{flag}={size}: the online sampler needs 1 (it runs the model's whole forward on every rank)"
+                  for flag, size in (("--tensor-model-parallel-size", par.tp),
+                                     ("--pipeline-model-parallel-size", par.pp),
+                                     ("--context-parallel-size", par.cp)) if size != 1]
+        reasons = (
+            (model.hf_model, "--hf-model: the reach task has its own token ids; online trains the built-in GPT"),
+            (model.moe.enabled and par.ep > 1, f"--expert-model-parallel-size {par.ep}: the expert dispatch is a "
+                                               "collective inside every forward, and each rank's sampler runs its "
+                                               "own number of forwards"),
+            (model.mtp_num_layers is not None, "--mtp-num-layers: the warm-up's forward-only log-prob passes do not "
+                                               "set the MTP loss's per-step factor"),
+            (loss.needs_reference, "--pg-kl-coef > 0: the online rollouts have no reference log-probs"),
+            (loss.rollout_correction, "--pg-rollout-correction: the online rollouts have no rollout_logprobs (their "
+                                      "old log-probs are the sampler's own)"),
+            (model.vocab_size < task.vocab_size, f"--vocab-size {model.vocab_size}: the reach task's token ids need "
+                                                 f"at least {task.vocab_size}"),
+            (model.max_position_embeddings < task.prompt_tokens + task.max_response_tokens,
+             f"--max-position-embeddings {model.max_position_embeddings}: the reach task's sequences need "
+             f"{task.prompt_tokens + task.max_response_tokens}"),
+        )
+        cannot += [reason for on, reason in reasons if on]
+        offline = "; to train with it, pass scored rollouts: --rollouts FILE (or --rollouts synthetic)"
+        problems = [reason + offline for reason in cannot]
+        dp = par.dp_size(world_size) if par.model_parallel_size >= 1 else 1
+        if online.group_size < 2 or online.prompts_per_step < 1 or online.updates_per_batch < 1:
+            problems.append("--group-size must be >= 2 (group-relative advantages), --prompts-per-step and "
+                            "--updates-per-batch >= 1")
+        elif dp >= 1 and online.prompts_per_step % dp:
+            problems.append(f"--prompts-per-step {online.prompts_per_step} does not split evenly over {dp} DP ranks")
+        elif dp >= 1 and online.group_size * online.prompts_per_step // dp < (self.data.num_microbatches or 1):
+            problems.append(f"{online.prompts_per_step // dp} prompts x {online.group_size} samples per DP rank "
+                            f"cannot fill --num-microbatches {self.data.num_microbatches}")
+        if online.warmup_steps < 0 or not online.warmup_lr > 0:
+            problems.append("--warmup-steps must be >= 0 and --warmup-lr > 0")
         return problems
 
     def _precision_and_ddp_problems(self) -> list:

@@ -6,9 +6,12 @@ start-up validation (everything that can be refused is refused before a process 
 exists) are :mod:`megatron_pg_agg.training.run_config`: the flags are parsed once into a typed
 :class:`~megatron_pg_agg.training.run_config.RunConfig`, which every function here takes.
 
-One iteration = one optimizer step = one rollout step (``step`` in the JSONL). Iteration ``i``
-trains on rollout step ``i mod (number of steps)``: the data position is the iteration counter,
-saved with every checkpoint.
+Offline (``--rollouts``), one iteration = one optimizer step = one rollout step (``step`` in the
+JSONL). Iteration ``i`` trains on rollout step ``i mod (number of steps)``: the data position is
+the iteration counter, saved with every checkpoint. Online (no ``--rollouts``: :func:`train` hands
+the job to :mod:`megatron_pg_agg.online.main_job`), one iteration = one batch sampled from the live
+policy and ``--updates-per-batch`` optimizer steps on it (:func:`train_step` with ``advance``
+False but for the last), in the same loop (:func:`run_iterations`).
 
 Each step is planned when its iteration comes (nothing is kept from one step to the next). With
 ``--pg-plan-ahead`` (the default) iteration ``i + 1``'s plan is built on a background host thread
@@ -17,12 +20,13 @@ most); a plan's error is raised by the iteration that needs it, as without plan-
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -156,10 +160,11 @@ class Session:
         return self.cfg.model.moe.enabled
 
 
-def setup(cfg: RunConfig, steps: Optional[dict] = None) -> Session:
+def setup(cfg: RunConfig, steps: Optional[dict] = None, *, data: Optional[str] = None) -> Session:
     """Checks (before any process group), patches, process groups, model, optimizer and resume.
     ``steps``: ``{step: RolloutBatch}`` to train on instead of ``--rollouts`` / the built-in set
-    (an online source passes an empty dict and fills it as it samples: megatron_pg_agg.online)."""
+    (an online source passes an empty dict and fills it as it samples: megatron_pg_agg.online).
+    ``data``: what the start line says the run trains on (default: the mode and the step count)."""
     die_with_launcher()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -197,8 +202,9 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None) -> Session:
                      enabled=rank == 0,
                      run_start=run_start_record(state.run_id, argv=sys.argv, model=model_name,
                                                 start_iteration=state.iteration,
-                                                extra={"mode": cfg.loss.mode, "world_size": world}))
-    _log_layout(cfg, world, backend, len(steps), state.iteration)
+                                                extra={"mode": cfg.loss.mode, "world_size": world,
+                                                       **_online_record(cfg)}))
+    _log_layout(cfg, world, backend, data or f"mode={cfg.loss.mode} steps={len(steps)}", state.iteration)
     plans = PlanAhead(_iteration_planner(cfg, plan_cfg, steps, parallel_state.get_context_parallel_rank()),
                       range(state.iteration, max(state.iteration, train_cfg.train_iters)),
                       enabled=cfg.data.plan_ahead)
@@ -313,22 +319,31 @@ def _resume(load, model, optimizer, rank: int) -> RunState:
     return RunState()
 
 
-def _log_layout(cfg: RunConfig, world: int, backend: str, num_steps: int, start: int) -> None:
+def _online_record(cfg: RunConfig) -> dict:
+    """The run-start record's ``online`` entry: the online run's settings (nothing offline)."""
+    if cfg.online is None:
+        return {}
+    return {"online": {"task": "reach", **dataclasses.asdict(cfg.online)}}
+
+
+def _log_layout(cfg: RunConfig, world: int, backend: str, data: str, start: int) -> None:
     par, moe, vpp = cfg.parallel, cfg.model.moe, cfg.virtual_pipeline_size
     logger.info(f"world={world} TP={par.tp} PP={par.pp}{f' (vpp={vpp})' if vpp else ''} CP={par.cp} "
               f"DP={parallel_state.get_data_parallel_world_size()} backend={backend} "
-              f"mode={cfg.loss.mode} steps={num_steps} start_iteration={start}"
+              f"{data} start_iteration={start}"
               + (f" experts={moe.num_experts} top{moe.router_topk} EP={par.ep} "
                  f"dispatcher={moe.token_dispatcher_type}" if moe.enabled else ""))
 
 
-def train_step(s: Session, *, recompute_old_logprobs: bool = False) -> dict:
+def train_step(s: Session, *, recompute_old_logprobs: bool = False, advance: bool = True) -> dict:
     """One optimizer step on rollout step ``iteration mod S``: plan -> forward-backward (the step
     runner) -> checks -> optimizer -> metrics. Returns the step's metrics record.
 
     ``recompute_old_logprobs``: before the step, a forward-only pass over the same microbatches
     replaces the rollouts' old log-probs with the current weights' (PPO's ratio is then 1 at the
-    step's start; with advantage 1 the step is supervised learning: megatron_pg_agg.online)."""
+    step's start; with advantage 1 the step is supervised learning: megatron_pg_agg.online).
+    ``advance=False``: the iteration counter stays, so the next step trains the same iteration's
+    plan again (the online run's several updates on one sampled batch)."""
     cfg, state, model = s.cfg, s.state, s.model
     key = step_key(s.steps, state.iteration)
     t0 = time.perf_counter()
@@ -345,7 +360,7 @@ def train_step(s: Session, *, recompute_old_logprobs: bool = False) -> dict:
     result = run_pg_step(model, plan, cfg.loss, s.groups, dp_rank=dp_rank, experts=s.experts, device=s.device,
                          microbatches=microbatches)
     skipped, grad_norm = _optimizer_step(s, result, plan.totals.pg_weight, key)
-    state.iteration += 1
+    state.iteration += 1 if advance else 0
     elapsed = time.perf_counter() - t0
     record = {
         "iteration": state.iteration, "rollout_step": key,
@@ -408,8 +423,10 @@ def close(s: Session, record: dict) -> dict:
         record["param_checksum"] = checksum
         s.log.write({"final": True, "iteration": state.iteration, "param_checksum": checksum,
                      "skipped_total": state.skipped})
-        logger.info(f"done: {state.iteration} iterations, objective={record.get('objective', float('nan')):.6g}, "
-                    f"param_checksum={checksum:.10g}, skipped={state.skipped}")
+        accuracy = f"accuracy={record['accuracy']:.4g}, " if "accuracy" in record else ""
+        logger.info(f"done: {state.iteration} iterations, {accuracy}objective="
+                    f"{record.get('objective', float('nan')):.6g}, param_checksum={checksum:.10g}, "
+                    f"skipped={state.skipped}")
     s.log.close()
     shutdown_distributed()
     return record
@@ -417,13 +434,26 @@ def close(s: Session, record: dict) -> dict:
 
 def train(cfg: RunConfig) -> dict:
     """Run the whole job: setup, steps, close. Returns rank 0's last metrics record (empty dict
-    elsewhere)."""
+    elsewhere). Without rollouts (``cfg.online``) the job is the online run
+    (:func:`megatron_pg_agg.online.main_job.train_online`), through :func:`run_iterations` too."""
+    if cfg.online is not None:
+        from megatron_pg_agg.online.main_job import train_online  # noqa: PLC0415  (it imports this module)
+
+        return train_online(cfg)
     s = setup(cfg)
+    return run_iterations(s, lambda: train_step(s))
+
+
+def run_iterations(s: Session, iteration: Callable[[], dict]) -> dict:
+    """The loop of a job from ``s.state.iteration`` to ``--train-iters``: ``iteration()`` (one
+    iteration, returning its record and advancing ``s.state.iteration`` by one), the record
+    logged every ``--log-interval``, the interval checkpoints, then :func:`close`."""
+    cfg = s.cfg
     iters, interval = cfg.training.train_iters, cfg.logging.log_interval
     record = {}
     try:
         while s.state.iteration < iters:
-            record = train_step(s)
+            record = iteration()
             if s.state.iteration % interval == 0 or s.state.iteration == iters:
                 s.log.log(record)
             if cfg.checkpoint.interval_save_due(s.state.iteration):

@@ -91,8 +91,9 @@ def test_load_export_and_logits_against_transformers(models, tmp_path):
     trained_dir = tmp_path / "trained_hf"
     spec.write_text(json.dumps({
         "models": models, "ids": IDS,
-        "trained": {"argv": ["--hf-model", models["qwen3"], "--tensor-model-parallel-size", "2",
-                             "--metrics-file", str(tmp_path / "m.jsonl"), "--lr", "0.01"],
+        "trained": {"argv": ["--hf-model", models["qwen3"], "--rollouts", "synthetic",
+                             "--tensor-model-parallel-size", "2", "--metrics-file", str(tmp_path / "m.jsonl"),
+                             "--lr", "0.01"],
                     "iterations": 2, "out": str(trained_dir)}}))
     rc, log, elapsed = run(torchrun(2, *CHECKS, spec, out), 600, "HF checks")
     assert rc == 0, log[-20000:]
@@ -349,7 +350,8 @@ def test_bad_folders_and_conflicting_flags_are_refused(models, trainer_runs, tmp
          [f"--save-hf {models['qwen3']} is --hf-model {models['qwen3']}: the output would replace it"]),
     ]
     for argv, words in cases:
-        rc, out, _ = run([sys.executable, str(TRAIN), *map(str, argv), "--metrics-file", str(tmp_path / "m.jsonl")],
+        rc, out, _ = run([sys.executable, str(TRAIN), "--rollouts", "synthetic", *map(str, argv), "--metrics-file",
+                          str(tmp_path / "m.jsonl")],
                          300, f"refused {argv[:2]}", env=child_env())
         assert rc == 2 and "refusing to start" in out, (argv, rc, out[-5000:])
         for word in words:
@@ -404,7 +406,8 @@ def test_readme_command_3_prints_the_projects_lines_and_the_documented_outside_o
     env = child_env()
     env.pop("PYTHONWARNINGS", None)
     out_dir = tmp_path / "trained"
-    rc, out, _ = run(torchrun(2, TRAIN, "--hf-model", models["qwen3"], "--pg-loss-aggregation", "prompt_mean",
+    rc, out, _ = run(torchrun(2, TRAIN, "--hf-model", models["qwen3"], "--rollouts", "synthetic",
+                              "--pg-loss-aggregation", "prompt_mean",
                               "--train-iters", 2, "--save-hf", out_dir, "--metrics-file", tmp_path / "m.jsonl"),
                      400, "README command 3, quiet", env=env, fresh=True)
     assert rc == 0, out[-20000:]
@@ -413,7 +416,8 @@ def test_readme_command_3_prints_the_projects_lines_and_the_documented_outside_o
                and not any(p.match(line) for p in allowed)]
     assert not foreign, foreign[:20]
     assert "[train] done: 2 iterations" in out and "wrote the HF folder" in out
-    rc, loud, _ = run([sys.executable, str(TRAIN), "--hf-model", str(models["qwen3"]), "--train-iters", "1",
+    rc, loud, _ = run([sys.executable, str(TRAIN), "--hf-model", str(models["qwen3"]), "--rollouts", "synthetic",
+                       "--train-iters", "1",
                        "--verbose", "--metrics-file", str(tmp_path / "v.jsonl")], 400, "README command 3, verbose",
                       env=env, fresh=True)
     assert rc == 0, loud[-20000:]

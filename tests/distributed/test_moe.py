@@ -124,7 +124,8 @@ def test_trainer_trains_a_moe_actor_and_logs_router_losses_as_pairs(tmp_path):
     Catches: the trainer not applying the patch or not setting the step factor (the router
     refuses), and router-loss pairs counted per rank instead of per layer x microbatch."""
     metrics = tmp_path / "metrics.jsonl"
-    rc, out, elapsed = run(torchrun(2, ROOT / "launch" / "train_actor.py", "--num-experts", 4,
+    rc, out, elapsed = run(torchrun(2, ROOT / "launch" / "train_actor.py", "--rollouts", "synthetic",
+                                    "--num-experts", 4,
                                     "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01,
                                     "--moe-z-loss-coeff", 1e-3, "--expert-model-parallel-size", 2,
                                     "--moe-token-dispatcher-type", "alltoall",

@@ -26,7 +26,7 @@ LAYOUTS = {
     "DP2": (2, []),
     "TP2": (2, ["--tensor-model-parallel-size", "2"]),
 }
-MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--train-iters", "1",
+MTP = ["--rollouts", "synthetic", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--train-iters", "1",
        "--pg-kl-coef", "0.05", "--pg-entropy-coef", "0.01"]
 pytestmark = pytest.mark.skipif(not in_range(installed_megatron_core_version(), ">=0.16"),
                                 reason="megatron-core 0.15 refuses MTP (tests/unit/megatron/test_mtp_checks.py)")

@@ -18,7 +18,8 @@ def test_plan_ahead_on_and_off_train_alike_and_a_later_plans_error_stops_that_it
     records iterations 1 to 3, then stops with that very error, and the launch ends (no thread
     keeps it alive). Would catch plans handed to the wrong iteration, a plan-ahead run that differs
     from the synchronous one, or an error raised early, swallowed or rewritten."""
-    runs = [{"name": name, "argv": [*extra, "--train-iters", "6", "--metrics-file", str(tmp_path / f"{name}.jsonl")],
+    runs = [{"name": name, "argv": ["--rollouts", "synthetic", *extra, "--train-iters", "6",
+                                    "--metrics-file", str(tmp_path / f"{name}.jsonl")],
              "env": env}
             for name, extra, env in (("on", [], {}), ("off", ["--no-pg-plan-ahead"], {}),
                                      ("error", [], {"PG_TEST_FAIL_PLAN_AT": "3"}))]

@@ -84,7 +84,7 @@ def _cases(tmp: Path) -> list:
     runs = []
 
     def add(name, argv, iters=2, grads=False):
-        runs.append({"name": name, "argv": [*LOSS, *argv, "--train-iters", str(iters),
+        runs.append({"name": name, "argv": ["--rollouts", "synthetic", *LOSS, *argv, "--train-iters", str(iters),
                                             "--metrics-file", str(tmp / f"{name}.jsonl")],
                      "env": {"PG_AGG_TEST_GRADS": str(tmp / name)} if grads else {}})
 

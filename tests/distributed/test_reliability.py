@@ -58,7 +58,7 @@ def test_a_sequence_longer_than_the_microbatch_capacity_is_named(tmp_path):
     lengths = {(k, i): len(r.prompt_ids) + len(r.response_ids) for k in steps for i, r in enumerate(steps[k])}
     cap = max(lengths.values()) - 1
     step, index = min(key for key, n in lengths.items() if n > cap)
-    rc, out, _ = _one_process(["--max-tokens-per-microbatch", cap])
+    rc, out, _ = _one_process(["--rollouts", "synthetic", "--max-tokens-per-microbatch", cap])
     assert rc == 2, out[-3000:]
     assert f"step {step}: rollout {index} (group '{steps[step][index].group_id}')" in out
     assert f"do not fit a microbatch of {cap} tokens" in out and "max_tokens_per_microbatch" in out
@@ -196,7 +196,7 @@ def test_each_run_in_a_shared_metrics_file_is_marked_and_read_apart(tmp_path):
     by a fresh run, or the start record missing."""
     metrics = tmp_path / "m.jsonl"
     for iters in (2, 3):
-        rc, out, _ = _one_process(["--train-iters", iters, "--metrics-file", metrics])
+        rc, out, _ = _one_process(["--rollouts", "synthetic", "--train-iters", iters, "--metrics-file", metrics])
         assert rc == 0, out[-20000:]
     first, second = read_runs(metrics)
     assert first.run_id and second.run_id and first.run_id != second.run_id
@@ -256,7 +256,8 @@ def _wait_for(proc, needle, timeout_s, seen):
 
 
 def test_a_rank_killed_mid_run_ends_the_whole_job_quickly(tmp_path):
-    proc = start(torchrun(2, TRAIN, "--train-iters", 100000, "--metrics-file", tmp_path / "m.jsonl",
+    proc = start(torchrun(2, TRAIN, "--rollouts", "synthetic", "--train-iters", 100000, "--metrics-file",
+                          tmp_path / "m.jsonl",
                           "--distributed-timeout-minutes", 1))
     seen = []
     _wait_for(proc, "] 2/100000", 120, seen)
@@ -277,9 +278,9 @@ def test_a_hung_rank_fails_the_job_after_the_distributed_timeout(tmp_path):
     with it must fail after --distributed-timeout-minutes (0.05 min = 3000 ms), ending the job.
     Megatron's own groups (DP here: DDP's gradient all-reduce) must get that timeout too, not
     megatron-core's default of 30 minutes."""
-    rc, out, _ = run(torchrun(2, *worker("hang_worker"), "--train-iters", 2, "--metrics-file", tmp_path / "m.jsonl",
-                              "--distributed-timeout-minutes", 0.05), 240, "job with a hung rank",
-                     fresh=True)  # torchrun's handling of a failed and a hung rank
+    rc, out, _ = run(torchrun(2, *worker("hang_worker"), "--rollouts", "synthetic", "--train-iters", 2,
+                              "--metrics-file", tmp_path / "m.jsonl", "--distributed-timeout-minutes", 0.05), 240,
+                     "job with a hung rank", fresh=True)  # torchrun's handling of a failed and a hung rank
     assert rc != 0, out[-5000:]
     assert "rank 1 hangs before its first step" in out
     assert "3000ms" in out, out[-5000:]  # gloo names the timeout that fired: ours, not a default
@@ -326,12 +327,14 @@ def test_resume_from_a_checkpoint_mid_cycle_restores_the_data_position(tmp_path,
     default of 2 on this kind of machine (both runs use the same count): resume restores the
     weights, the optimizer state and the RNG exactly, so the same kernels see the same inputs."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    rc, out, _ = _one_process(["--train-iters", 5, "--save", full, "--save-interval", 3], OMP_NUM_THREADS=threads)
+    rc, out, _ = _one_process(["--rollouts", "synthetic", "--train-iters", 5, "--save", full, "--save-interval", 3],
+                              OMP_NUM_THREADS=threads)
     assert rc == 0, out[-20000:]
     resumed.mkdir()
     shutil.copytree(full / "iter_0000003", resumed / "iter_0000003")
     (resumed / "latest").write_text("3\n")
-    rc, out, _ = _one_process(["--train-iters", 5, "--save", resumed, "--load", resumed], OMP_NUM_THREADS=threads)
+    rc, out, _ = _one_process(["--rollouts", "synthetic", "--train-iters", 5, "--save", resumed, "--load", resumed],
+                              OMP_NUM_THREADS=threads)
     assert rc == 0, out[-20000:]
     assert "start_iteration=3" in out
     a, a_final = trainer_records(full / "metrics.jsonl")
@@ -356,7 +359,8 @@ def test_a_killed_run_resumes_bit_for_bit_and_ignores_torn_saves(tmp_path):
     matches an uninterrupted run of the same length bit for bit. No assertion depends on where the
     kill landed: the comparison run is sized from the checkpoint the kill left."""
     broken, full = tmp_path / "broken", tmp_path / "full"
-    proc = start(torchrun(2, TRAIN, "--train-iters", 100000, "--save", broken, "--save-interval", 2))
+    proc = start(torchrun(2, TRAIN, "--rollouts", "synthetic", "--train-iters", 100000, "--save", broken,
+                          "--save-interval", 2))
     seen = []
     _wait_for(proc, "] 5/100000", 240, seen)  # iteration 4's checkpoint is complete by now
     kill_launch(proc)
@@ -372,11 +376,12 @@ def test_a_killed_run_resumes_bit_for_bit_and_ignores_torn_saves(tmp_path):
     shutil.copy(broken / f"iter_{latest:07d}" / "rank_00000.pt", missing / "rank_00000.pt")  # rank 1's never written
     target = latest + 2
 
-    rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", target, "--save", broken, "--save-interval", 2,
-                              "--load", broken), 300, "resumed run")
+    rc, out, _ = run(torchrun(2, TRAIN, "--rollouts", "synthetic", "--train-iters", target, "--save", broken,
+                              "--save-interval", 2, "--load", broken), 300, "resumed run")
     assert rc == 0, out[-20000:]
     assert f"start_iteration={latest}" in out
-    rc, out, _ = run(torchrun(2, TRAIN, "--train-iters", target, "--save", full), 300, "uninterrupted run")
+    rc, out, _ = run(torchrun(2, TRAIN, "--rollouts", "synthetic", "--train-iters", target, "--save", full), 300,
+                     "uninterrupted run")
     assert rc == 0, out[-20000:]
 
     a, a_final = trainer_records(full / "metrics.jsonl")

@@ -82,7 +82,8 @@ def test_a_training_run_prints_no_warning_on_this_release(tmp_path):
     reads as a warning, on whichever supported release is installed."""
     env = child_env()
     env.pop("PYTHONWARNINGS")
-    out = subprocess.run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--train-iters", "1",
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "train_actor.py"), "--rollouts", "synthetic",
+                          "--train-iters", "1",
                           "--metrics-file", str(tmp_path / "m.jsonl")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -107,8 +107,8 @@ def test_response_stats_by_hand():
     responses = [climb(3, 6, 7), climb(3, 6, 9, 10), climb(1, 2, end=False), climb(2, 4, 6, 9)]
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     stats = response_stats(rewards, responses, TASK)
-    assert stats == {"accuracy": 0.5, "length_correct": (4 + 5) / 2, "length_incorrect": (5 + 2) / 2,
-                     "truncated": 0.25, "responses": 4}
+    assert stats == {"accuracy": 0.5, "response_length": (4 + 5 + 2 + 5) / 4, "length_correct": (4 + 5) / 2,
+                     "length_incorrect": (5 + 2) / 2, "truncated": 0.25, "responses": 4}
     assert math.isnan(response_stats(torch.ones(1), [climb(5)], TASK)["length_incorrect"])
 
 

@@ -8,9 +8,9 @@ from megatron_pg_agg.training.run_config import DataConfig, RunConfig, parse_fla
 
 def test_the_trainer_plans_ahead_unless_switched_off():
     """Would catch a default of off, or a --no-pg-plan-ahead that does not reach the config."""
-    assert RunConfig.from_args(parse_flags([])).data.plan_ahead is True
-    assert RunConfig.from_args(parse_flags(["--pg-plan-ahead"])).data.plan_ahead is True
-    assert RunConfig.from_args(parse_flags(["--no-pg-plan-ahead"])).data.plan_ahead is False
+    assert RunConfig.from_args(parse_flags(["--rollouts", "synthetic"])).data.plan_ahead is True
+    assert RunConfig.from_args(parse_flags(["--rollouts", "synthetic", "--pg-plan-ahead"])).data.plan_ahead is True
+    assert RunConfig.from_args(parse_flags(["--rollouts", "synthetic", "--no-pg-plan-ahead"])).data.plan_ahead is False
 
 
 def test_the_megatron_lm_entry_has_the_switch_and_reads_it():

@@ -13,14 +13,16 @@ from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.training import run_config
 from megatron_pg_agg.training.run_config import (
     DataConfig,
+    OnlineConfig,
     RunConfig,
     StartupError,
     build_parser,
+    parse_flags,
 )
 
 
 def _cfg(*argv) -> RunConfig:
-    return RunConfig.from_args(build_parser().parse_args([str(a) for a in argv]))
+    return RunConfig.from_args(build_parser().parse_args(["--rollouts", "synthetic", *map(str, argv)]))
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +146,7 @@ def test_a_bad_loss_combination_is_refused_by_the_parser_and_by_from_args():
     with pytest.raises(SystemExit) as err:  # argparse's usage error, status 2
         build_parser().parse_args(["--pg-loss-aggregation", "constant"])
     assert err.value.code == 2
-    namespace = build_parser().parse_args([])
+    namespace = build_parser().parse_args(["--rollouts", "synthetic"])
     namespace.pg_clip_eps = 2.0  # what the parser would have refused
     with pytest.raises(StartupError, match=r"refusing to start:\n- clip_eps_low must be in \(0, 1\)"):
         RunConfig.from_args(namespace)
@@ -166,8 +168,8 @@ def _config_classes(root=RunConfig):
             continue
         found.append(cls)
         hints = typing.get_type_hints(cls)
-        todo.extend(hints[f.name] for f in dataclasses.fields(cls)
-                    if dataclasses.is_dataclass(hints[f.name]))
+        for f in dataclasses.fields(cls):  # a dataclass, or an Optional one
+            todo.extend(t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t))
     return found
 
 
@@ -175,7 +177,7 @@ def test_every_field_of_the_tree_has_a_docstring():
     classes = _config_classes()
     assert {c.__name__ for c in classes} >= {"RunConfig", "ModelConfig", "MoEConfig", "ParallelConfig",
                                              "PGLossConfig", "DataConfig", "TrainingConfig",
-                                             "CheckpointConfig", "LoggingConfig"}
+                                             "CheckpointConfig", "LoggingConfig", "OnlineConfig"}
     for cls in classes:
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
         documented = {
@@ -264,3 +266,91 @@ def test_save_hf_refuses_an_occupied_path_or_an_input_at_start_up(tmp_path):
     assert "contains --metrics-file" in ckpt
     assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "file").read_text() == "keep"
     assert sorted(os.listdir(tmp_path)) == ["file", "mine", "models"]
+
+
+# ----------------------------------------------------------------------------- the online run
+
+
+def _online(*argv) -> RunConfig:
+    """The config of the trainer's own default: no --rollouts, online GRPO on the reach task."""
+    return RunConfig.from_args(build_parser().parse_args([str(a) for a in argv]))
+
+
+def test_without_rollouts_the_run_is_online_and_its_defaults_are_the_dataclasses():
+    cfg = _online()
+    assert cfg.online == OnlineConfig() and cfg.data.rollouts is None
+    assert (cfg.online.prompts_per_step, cfg.online.group_size, cfg.online.updates_per_batch) == (64, 8, 4)
+    assert cfg.data.plan_ahead is False  # iteration k + 1's rollouts come from iteration k's weights
+    assert cfg.startup_problems(2, backend="gloo", te=False) == []
+    offline = _online("--rollouts", "synthetic")
+    assert offline.online is None and offline.data.rollouts is None and offline.data.plan_ahead is True
+    assert dataclasses.replace(offline, online=OnlineConfig(), data=cfg.data) == cfg
+    assert _online("--rollouts", "steps.jsonl").data.rollouts == "steps.jsonl"
+    flags = _online("--prompts-per-step", 16, "--group-size", 4, "--updates-per-batch", 2, "--warmup-steps", 0,
+                    "--warmup-lr", 0.01, "--no-advantage-std").online
+    assert flags == OnlineConfig(prompts_per_step=16, group_size=4, updates_per_batch=2, warmup_steps=0,
+                                 warmup_lr=0.01, advantage_std=False)
+
+
+OFFLINE_WAY = "pass scored rollouts: --rollouts FILE (or --rollouts synthetic)"
+
+
+@pytest.mark.parametrize("flags,world,expected", [
+    (["--tensor-model-parallel-size", 2], 2, "--tensor-model-parallel-size=2: the online sampler needs 1"),
+    (["--pipeline-model-parallel-size", 2], 2, "--pipeline-model-parallel-size=2: the online sampler needs 1"),
+    (["--num-experts", 2, "--expert-model-parallel-size", 2], 2, "--expert-model-parallel-size 2: the expert "
+                                                                  "dispatch is a collective inside every forward"),
+    (["--mtp-num-layers", 1], 2, "--mtp-num-layers: the warm-up's forward-only log-prob passes"),
+    (["--pg-kl-coef", 0.1], 2, "--pg-kl-coef > 0: the online rollouts have no reference log-probs"),
+    (["--pg-rollout-correction", "token_mask"], 2, "--pg-rollout-correction: the online rollouts have no "
+                                                   "rollout_logprobs"),
+    (["--vocab-size", 64], 2, "--vocab-size 64: the reach task's token ids need at least 100"),
+    (["--max-position-embeddings", 16], 2, "--max-position-embeddings 16: the reach task's sequences need 34"),
+])
+def test_what_cannot_run_online_is_refused_naming_the_offline_way(flags, world, expected):
+    (problem,) = _online(*flags).startup_problems(world, backend="gloo", te=True)
+    assert problem.startswith(expected) and problem.endswith(OFFLINE_WAY), problem
+    # the same flags offline: nothing refused
+    assert _online("--rollouts", "synthetic", *flags).startup_problems(world, backend="gloo", te=True) == []
+
+
+def test_the_production_flags_run_online():
+    """bf16, the distributed optimizer and both overlaps are not refused online (the sampler's
+    parameters are gathered first: megatron_pg_agg.online.grpo.OnlineRun._sample)."""
+    cfg = _online("--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    assert cfg.online is not None and cfg.startup_problems(2, backend="gloo", te=False) == []
+
+
+@pytest.mark.parametrize("flags,world,expected", [
+    (["--prompts-per-step", 7], 2, "--prompts-per-step 7 does not split evenly over 2 DP ranks"),
+    (["--group-size", 1], 2, "--group-size must be >= 2 (group-relative advantages), --prompts-per-step and "
+                             "--updates-per-batch >= 1"),
+    (["--prompts-per-step", 2, "--group-size", 2, "--num-microbatches", 3], 2,
+     "1 prompts x 2 samples per DP rank cannot fill --num-microbatches 3"),
+    (["--warmup-lr", 0], 2, "--warmup-steps must be >= 0 and --warmup-lr > 0"),
+])
+def test_bad_online_settings_are_refused(flags, world, expected):
+    assert _online(*flags).startup_problems(world, backend="gloo", te=True) == [expected]
+
+
+def test_online_flags_with_rollouts_are_refused():
+    with pytest.raises(StartupError, match="--group-size, --prompts-per-step only act"):
+        RunConfig.from_args(parse_flags(["--rollouts", "synthetic", "--prompts-per-step", "8", "--group-size", "4"]))
+    # left at their defaults they are not in the way
+    assert RunConfig.from_args(parse_flags(["--rollouts", "synthetic"])).online is None
+
+
+def test_help_says_what_the_trainer_does_and_every_default():
+    text = build_parser().format_help()
+    flat = " ".join(text.split())
+    for words in ("online GRPO on the built-in verifiable task", "--rollouts FILE trains offline",
+                  "per-token advantages and old log-probs", "docs/rollout-format.md",
+                  "token ids are integers below --vocab-size", "--rollouts synthetic replays"):
+        assert words in flat, words
+    for action in build_parser()._actions:
+        if action.dest == "help":
+            continue
+        help_text = " ".join(build_parser()._get_formatter()._expand_help(action).split()) if action.help else ""
+        shown = build_parser()._get_formatter()._get_help_string(action) or ""
+        assert "default" in shown.lower(), (action.option_strings, help_text)
+    assert "(default: 64)" in flat and "(default: none, online GRPO on the reach task)" in flat
