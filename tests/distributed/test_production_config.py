@@ -14,7 +14,7 @@ to step 2), 2 optimizer steps:
   tests/support/whole_grads.py) against the float64 reference at the initial weights;
 - step 2 of DP2 against the float64 reference at the weights the run itself checkpointed after
   step 1 (the checkpoint is written after the overlapped parameter gather: a stale shard fails);
-- step 2 of every case against plain DDP on the same layout and split;
+- both steps of every layout under the token cap against plain DDP on the same layout and split;
 - MoE (DP2 x EP2: the expert-data-parallel buffers) and MTP: the objective, gradient norm and the
   router / MTP loss pairs equal plain DDP's, which tests/distributed/test_moe.py and test_mtp.py
   hold to Megatron's strength in every mode.
@@ -25,7 +25,8 @@ mean (Megatron's default averaging: the bug class this project exists for) compu
 the same splits; and a 20-iteration bf16 run beside the fp32 one. The bounds are the measured
 numbers (docs/trainer.md, "Precision and data-parallel communication") with headroom, and each
 still fails if the layer is wrong: a per-microbatch mean moves the objective and the gradient
-100x more than bf16 does. About 100 s on 2 cores (102 trainer runs in one launch).
+100x more than bf16 does. 78 trainer runs in one launch: about 1.5 minutes on 2 cores on
+megatron-core 0.16.1, 4-5 on 0.19.2.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ LAYOUTS = {"DP2": [], "PP2": ["--pipeline-model-parallel-size", "2"], "TP2": ["-
 # overlapped reduction must not learn from the first step)
 SPLITS = {"1mb": ["--num-microbatches", "1"], "3mb": ["--num-microbatches", "3"],
           "cap64": ["--max-tokens-per-microbatch", "64"]}
+TWIN_SPLITS = ("cap64",)
+"""The splits whose runs also run with plain DDP (the one whose microbatch count changes between the
+steps: what an overlapped reduction without no_sync_func gets wrong)."""
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "1e-3",
        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", "--num-microbatches", "3"]
 MTP = ["--mtp-num-layers", "1", "--num-microbatches", "3"]
@@ -95,7 +99,8 @@ def _cases(tmp: Path) -> list:
                 checkpointed = (layout, split) == ("DP2", "3mb")
                 save = ["--save", str(tmp / f"ckpt-{mode}"), "--save-interval", "1"] if checkpointed else []
                 add(f"prod-{mode}-{layout}-{split}", [*base, *PROD, *save], grads=True)
-                add(f"plain-{mode}-{layout}-{split}", base)
+                if split in TWIN_SPLITS:
+                    add(f"plain-{mode}-{layout}-{split}", base)
         for split, split_flags in SPLITS.items():
             add(f"bf16-{mode}-{split}", [*_mode_flags(mode), *split_flags, *PROD, "--bf16"], iters=1, grads=True)
         for kind, flags in (("moe", MOE), ("mtp", MTP)):
@@ -212,14 +217,14 @@ def test_step_two_matches_the_float64_reference_at_the_checkpointed_weights(batc
 
 @pytest.mark.parametrize("mode", MODES)
 def test_both_steps_of_every_case_equal_plain_ddp(batch, mode):
-    """The distributed optimizer and both overlaps against plain DDP, layout by layout and split by
-    split, both steps (the microbatch count changes between them under the token cap), and the
-    parameters at the end. Catches a step 2 that reads stale parameters (no gather), or a bucket
-    launched early when the microbatch count changes."""
+    """The distributed optimizer and both overlaps against plain DDP on every layout, under the token
+    cap (the microbatch count changes between the steps), both steps and the parameters at the end.
+    Catches a step 2 that reads stale parameters (no gather), or a bucket launched early when the
+    microbatch count changes."""
     tmp, _ = batch
     worst = [0.0, 0.0]
     for layout in LAYOUTS:
-        for split in SPLITS:
+        for split in TWIN_SPLITS:
             case = f"{mode}-{layout}-{split}"
             prod, plain = _records(tmp, f"prod-{case}"), _records(tmp, f"plain-{case}")
             assert len(prod) == len(plain) == 2
