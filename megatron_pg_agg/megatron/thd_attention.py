@@ -82,6 +82,12 @@ class ThdDotProductAttention(DotProductAttention):
         input, like TE)."""
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in _CAUSAL
+        # never megatron-core's fused softmax (the config's masked_softmax_fusion, on by default on
+        # CUDA): for a causal layer its kernel applies its own upper-triangular mask and ignores the
+        # one built here, so packed sequences would attend to each other; without apex its import
+        # fails on bf16/fp16 shapes (a multiple of 4, at most 4096 keys). An instance attribute:
+        # use_thd_core_attention switches the class of built modules, which runs no constructor
+        self.scale_mask_softmax.scaled_masked_softmax_fusion = False
         if packed_seq_params is None:
             sq = query.size(0)
             if attention_mask is None and causal and sq > 1:

@@ -241,16 +241,8 @@ def _iteration_planner(cfg: RunConfig, plan_cfg: PlanConfig, steps: dict, cp_ran
 
 def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> list:
     """This rank's model chunks in megatron-core DDP, with the config checked."""
-    model_cfg, par, moe = cfg.model, cfg.parallel, cfg.model.moe
+    model_cfg, par = cfg.model, cfg.parallel
     dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
-    moe_kwargs = {} if not moe.enabled else dict(
-        num_moe_experts=moe.num_experts, moe_router_topk=moe.router_topk,
-        moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
-        expert_model_parallel_size=par.ep, moe_token_dispatcher_type=moe.token_dispatcher_type,
-        # megatron-core 0.16's expert MLP cannot add a bias under autograd (check_megatron_config
-        # says why): MoE models here have no linear biases, as most MoE LLMs
-        add_bias_linear=False,
-    )
     # fusions follow the device (model.device_settings); the dtypes follow --bf16
     settings = dict(
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
@@ -261,7 +253,7 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> list:
         variable_seq_lengths=par.pp > 1 and not cfg.uniform_microbatch_tokens,
         batch_p2p_comm=par.batch_p2p_comm,
         calculate_per_token_loss=par.calculate_per_token_loss,
-        **moe_kwargs,
+        **moe_settings(cfg),
     )
     if model_cfg.hf_model:  # shape and weights from the HF folder, through Megatron-Bridge
         for shape_field in ("num_moe_experts", "add_bias_linear"):  # the HF config's
@@ -292,6 +284,22 @@ def _build_model(cfg: RunConfig, *, cuda: bool, backend: str) -> list:
     config.finalize_model_grads_func = finalize_model_grads
     check_megatron_config(config, model[0].ddp_config, backend=backend)
     return model
+
+
+def moe_settings(cfg: RunConfig) -> dict:
+    """The ``TransformerConfig`` fields of the run's experts (empty for a dense model)."""
+    moe, par = cfg.model.moe, cfg.parallel
+    if not moe.enabled:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.router_topk,
+        moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
+        expert_model_parallel_size=par.ep, moe_token_dispatcher_type=moe.token_dispatcher_type,
+        # megatron-core 0.16's expert MLP cannot add a bias under autograd (check_megatron_config
+        # says why): MoE models here have no linear biases, as most MoE LLMs; and without biases
+        # megatron-core refuses the bias-activation fusion that the CUDA settings turn on
+        add_bias_linear=False, bias_activation_fusion=False,
+    )
 
 
 def ddp_config(cfg: RunConfig):

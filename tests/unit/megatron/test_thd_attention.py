@@ -179,6 +179,30 @@ def test_tensor_parallel_head_partition(groups):
         torch.testing.assert_close(out[sl], alone[:, 0], rtol=0, atol=TOL)
 
 
+def test_a_config_with_the_fused_softmax_still_keeps_packed_sequences_apart():
+    """masked_softmax_fusion on (megatron-core's CUDA default) with bf16 and a pack of 32 tokens (a
+    shape its fused kernel takes): the packed output is each sequence's alone, as without the
+    fusion. Catches the fused causal kernel being used: it ignores the block mask (sequences see
+    each other), and without apex its import fails (ModuleNotFoundError, as here on CPU)."""
+    lengths = (9, 15, 8)
+    outputs = []
+    for fusion in (True, False):
+        config = tiny_transformer_config(num_layers=1, bf16=True, params_dtype=torch.bfloat16,
+                                         masked_softmax_fusion=fusion)
+        attn = ThdDotProductAttention(config, 1, AttnMaskType.causal, "self")
+        g = torch.Generator().manual_seed(5)
+        heads, d, t = config.num_attention_heads, config.kv_channels, sum(lengths)
+        q, k, v = (torch.randn(t, heads, d, generator=g).bfloat16() for _ in range(3))
+        batch = pack_sequences(_sequences(lengths))
+        out = attn(q, k, v, None, packed_seq_params=batch.packed_seq_params)
+        alone = [attn(q[o:o + n, None], k[o:o + n, None], v[o:o + n, None], None)[:, 0]
+                 for o, n in zip(batch.offsets, lengths)]
+        torch.testing.assert_close(out, torch.cat(alone), rtol=0, atol=0)
+        outputs.append(out)
+    assert (t * heads) % 4 == 0 and t % 4 == 0  # a shape the fused kernel would take
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
 def test_rejects_non_thd_and_batched_packs():
     config = tiny_transformer_config(num_layers=1)
     attn = ThdDotProductAttention(config, 1, AttnMaskType.causal, "self")

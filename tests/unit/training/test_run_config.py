@@ -354,3 +354,19 @@ def test_help_says_what_the_trainer_does_and_every_default():
         shown = build_parser()._get_formatter()._get_help_string(action) or ""
         assert "default" in shown.lower(), (action.option_strings, help_text)
     assert "(default: 64)" in flat and "(default: none, online GRPO on the reach task)" in flat
+
+
+def test_a_moe_model_takes_the_cuda_fusions():
+    """The trainer's MoE settings with the fusions a GPU turns on (Megatron-LM's defaults without
+    Transformer Engine): megatron-core accepts the config. Control: the bias-activation fusion left
+    on beside add_bias_linear=False is refused (ValueError), which is what a GPU MoE run hit."""
+    from megatron_pg_agg.megatron.model import device_settings, transformer_config
+    from megatron_pg_agg.training.trainer import moe_settings
+
+    moe = moe_settings(_cfg("--num-experts", 4, "--moe-router-topk", 2, "--rollouts", "synthetic"))
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+    gpu = device_settings(cuda=True, te=False)
+    assert gpu["bias_activation_fusion"] is True
+    assert transformer_config(**shape, **{**gpu, **moe}).bias_activation_fusion is False
+    with pytest.raises(ValueError):
+        transformer_config(**shape, **{**gpu, **moe, "bias_activation_fusion": True})
