@@ -120,6 +120,10 @@ them off; the jit fusions off too, so that no torch.compile runs inside the time
 MLM_BACKEND = {"gpu": ["--distributed-backend", "nccl"],
                "dry": ["--distributed-backend", "gloo", "--use-cpu-initialization"]}
 
+_DRY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "128",
+            "--max-position-embeddings", "256"]
+"""The dry run's trainer model (checks a and b)."""
+
 SIZES = {
     "gpu": {
         "a": {"model": ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
@@ -141,13 +145,11 @@ SIZES = {
                         "--vocab-size", "128"]},
     },
     "dry": {
-        "a": {"model": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                        "--vocab-size", "128", "--max-position-embeddings", "256"],
+        "a": {"model": _DRY_GPT,
               "rollouts": {"groups": 6, "group_size": 4, "prompt": [3, 10], "response": [4, 28],
                            "vocab": 128, "seed": 52},
               "cap": 64},
-        "b": {"model": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                        "--vocab-size", "128", "--max-position-embeddings", "256"],
+        "b": {"model": _DRY_GPT,
               "rollouts": {"groups": 8, "group_size": 4, "prompt": [3, 10], "response": [4, 40],
                            "vocab": 128, "seed": 53},
               "cap": 128, "reps": 2, "plan_reps": 3, "trainer_iters": 3},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_pg_agg.megatron.model import build_model_chunks, transformer_config
@@ -102,6 +103,32 @@ def full_parameter_name(module, name: str) -> str:
         local = len(module.decoder.layers[0].mlp.experts.local_experts)
         parts[k] = str(parallel_state.get_expert_model_parallel_rank() * local + int(parts[k]))
     return ".".join(parts)
+
+
+def full_named_tensors(ddp_chunks, tensors_of) -> dict:
+    """``{single-device name: tensor}`` over this rank's DDP chunks, where ``tensors_of(chunk)``
+    gives ``{parameter: tensor}`` (a gradient, a weight): tensor-parallel shards joined along the
+    parameter's partition dimension (a collective over the TP group: every rank calls it at the
+    same point), pipeline-local names renamed (:func:`full_parameter_name`), tensors on the host.
+    A parameter ``tensors_of`` leaves out is skipped. A model inside Megatron's ``Float16Module``
+    (``--bf16``) is named as the model itself."""
+    tp_rank, tp_size, tp_group = tp_rank_size_group()
+    out = {}
+    for chunk in ddp_chunks:
+        tensors = tensors_of(chunk)
+        module = chunk.module
+        if isinstance(module, Float16Module):
+            module = module.module
+        for name, param in module.named_parameters():
+            if param not in tensors:
+                continue
+            tensor = tensors[param]
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                parts = [torch.empty_like(tensor) for _ in range(tp_size)]
+                torch.distributed.all_gather(parts, tensor.contiguous(), group=tp_group)
+                tensor = torch.cat(parts, dim=param.partition_dim)
+            out[full_parameter_name(module, name)] = tensor.cpu()
+    return out
 
 
 def tp_rank_size_group():

@@ -32,7 +32,7 @@ from megatron_pg_agg.megatron.step import StepGroups, run_pg_step
 from megatron_pg_agg.patches import apply_megatron_patches
 
 from .fixture import GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, VOCAB, ParityCase, loss_config, parity_rollouts
-from .models import build_case_model, full_parameter_name, load_full_state, tp_rank_size_group
+from .models import build_case_model, full_named_tensors, load_full_state
 from .reference import mtp_reference, reference
 from .report import REFERENCE_LABELS, format_row
 
@@ -41,18 +41,8 @@ __all__ = ["build_layout_model", "gather_full_grads", "plan_config", "run_case",
 
 def gather_full_grads(ddp_chunks) -> dict:
     """This rank's ``main_grad``s, TP shards concatenated, under single-device names."""
-    tp_rank, tp_size, tp_group = tp_rank_size_group()
-    out = {}
-    for chunk in ddp_chunks:
-        module = chunk.module
-        for name, param in module.named_parameters():
-            grad = param.main_grad.detach().clone()
-            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-                parts = [torch.empty_like(grad) for _ in range(tp_size)]
-                torch.distributed.all_gather(parts, grad, group=tp_group)
-                grad = torch.cat(parts, dim=param.partition_dim)
-            out[full_parameter_name(module, name)] = grad.cpu()
-    return out
+    return full_named_tensors(ddp_chunks, lambda chunk: {p: p.main_grad.detach().clone()
+                                                         for p in chunk.module.parameters()})
 
 
 def _per_microbatch_weights(mb, rollouts, cfg):

@@ -4,7 +4,7 @@ With megatron-core's distributed optimizer each rank's ``main_grad`` is reduced 
 shard of every bucket (reduce-scatter); the rest of the buffer holds this rank's unreduced partial
 sums. :func:`whole_named_grads` all-gathers each bucket's shards (a copy: the buffers the optimizer
 steps on are left alone), concatenates tensor-parallel shards and renames pipeline-local layers
-(``parity.models.full_parameter_name``), so a step on any layout can be compared with the float64
+(``parity.models.full_named_tensors``), so a step on any layout can be compared with the float64
 reference's autograd gradient by name. Plain DDP: the ``main_grad`` already holds the whole
 gradient. Collectives: every rank of the world must call it at the same point."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_pg_agg.parity.models import full_parameter_name, tp_rank_size_group
+from megatron_pg_agg.parity.models import full_named_tensors
 
 
 def _reduced_main_grads(chunk) -> dict:
@@ -38,30 +38,14 @@ def _reduced_main_grads(chunk) -> dict:
 
 def whole_named_grads(model: list) -> dict:
     """``{single-device name: float64 gradient}`` of this rank's chunks (TP shards joined)."""
-    return _named(model, _reduced_main_grads)
+    return _float64(full_named_tensors(model, _reduced_main_grads))
 
 
 def whole_named_params(model: list) -> dict:
     """``{single-device name: float64 parameter}`` of this rank's chunks (TP shards joined): the
     weights a single-device reference loads to compare a layout's step with."""
-    return _named(model, lambda chunk: {p: p.detach().clone() for p in chunk.module.parameters()})
+    return _float64(full_named_tensors(model, lambda chunk: {p: p.detach().clone() for p in chunk.module.parameters()}))
 
 
-def _named(model: list, tensors_of) -> dict:
-    tp_rank, tp_size, tp_group = tp_rank_size_group()
-    out = {}
-    for chunk in model:
-        grads = tensors_of(chunk)
-        module = chunk.module
-        while not hasattr(module, "decoder"):  # --bf16: the GPT model inside Megatron's Float16Module
-            module = module.module
-        for name, param in module.named_parameters():
-            if param not in grads:
-                continue
-            grad = grads[param]
-            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-                parts = [torch.empty_like(grad) for _ in range(tp_size)]
-                dist.all_gather(parts, grad.contiguous(), group=tp_group)
-                grad = torch.cat(parts, dim=param.partition_dim)
-            out[full_parameter_name(module, name)] = grad.double().cpu()
-    return out
+def _float64(tensors: dict) -> dict:
+    return {name: t.double() for name, t in tensors.items()}
