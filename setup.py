@@ -27,22 +27,22 @@ MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic", "psutil"]
 # launch/train_rl_actor.py: what Megatron-LM's RL loop (megatron/rl, core_v0.19) imports at its top,
 # beyond the pretrain path. megatron-core 0.19 needs Python 3.12, so the test extra takes them there.
 MEGATRON_RL = ["wandb", "tqdm", "httpx", "openai", "fastapi", "uvicorn"]
-# --hf-model / --save-hf (megatron_pg_agg.integrations.hf_bridge): what Megatron-Bridge 0.6.2 imports on
+# --hf-model / --save-hf (megatron_pg_agg.integrations.bridge.hf_model): what Megatron-Bridge 0.6.2 imports on
 # the HF import/export path, installed after `pip install --no-deps megatron-bridge==0.6.2` (its full
 # dependency set does not install from the index: docs/hf-models.md). Python 3.12 and megatron-core 0.19
 # only, as megatron-bridge 0.6 itself.
 BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "nvidia-modelopt==0.47.0", "requests",
-          # Megatron-Bridge's own training loop (launch/train_bridge_actor.py, integrations.bridge_loop)
+          # Megatron-Bridge's own training loop (launch/train_bridge_actor.py, integrations.bridge.loop)
           "datasets>=2.20", "megatron-energon~=7.0", "tensorboard>=2.19"]
 
-# the verl plug-in (megatron_pg_agg.integrations.verl_plugin): what verl 0.9.1's Megatron engine imports,
+# the verl plug-in (megatron_pg_agg.integrations.verl.plugin): what verl 0.9.1's Megatron engine imports,
 # installed after `pip install --no-deps verl==0.9.1` (its full set pulls vllm/sglang/flash-attn builds:
 # docs/verl.md), on top of the bridge extra (verl builds its model through Megatron-Bridge).
 # transformers: verl 0.9.1 asks for <5.11, Megatron-Bridge 0.6.2 for >=5.8.
 VERL = ["transformers>=5.8,<5.11", "tensordict==0.10.0", "hydra-core>=1.3.4,<1.4", "codetiming", "ray>=2.41",
         "peft>=0.18.1", "accelerate", "psutil", "pillow"]
 
-# the AReaL plug-in (megatron_pg_agg.integrations.areal_plugin): what AReaL 1.0.4's Megatron actor imports,
+# the AReaL plug-in (megatron_pg_agg.integrations.areal.plugin): what AReaL 1.0.4's Megatron actor imports,
 # installed after `pip install --no-deps areal==1.0.4 mbridge==0.15.1` (its full set is 80+ packages with
 # sglang and CUDA builds: docs/areal.md), in a venv of its own (AReaL pins transformers<=5.3, Megatron-Bridge
 # 0.6.2 needs >=5.8). hydra-core and omegaconf at AReaL's own pins.
@@ -56,9 +56,15 @@ setup(
     name="megatron_pg_agg",
     version=_versions_constant("PACKAGE_VERSION"),
     description="Exact policy-gradient loss aggregation (token/seq/prompt mean, constant) for Megatron-core",
+    # listed, not found: tests/unit/test_packaging.py checks the list against the folders on disk
     packages=["megatron_pg_agg", "megatron_pg_agg.core", "megatron_pg_agg.data", "megatron_pg_agg.megatron",
-              "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.integrations",
-              "megatron_pg_agg.online", "megatron_pg_agg.patches", "megatron_pg_agg.patches.cpu"],
+              "megatron_pg_agg.training", "megatron_pg_agg.parity", "megatron_pg_agg.online",
+              "megatron_pg_agg.integrations", "megatron_pg_agg.integrations.areal",
+              "megatron_pg_agg.integrations.areal.cpu",
+              "megatron_pg_agg.integrations.verl", "megatron_pg_agg.integrations.slime",
+              "megatron_pg_agg.integrations.nemo_rl", "megatron_pg_agg.integrations.nemo_rl.cpu",
+              "megatron_pg_agg.integrations.bridge", "megatron_pg_agg.integrations.bridge.cpu",
+              "megatron_pg_agg.patches", "megatron_pg_agg.patches.cpu"],
     package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches",
                  "megatron_pg_agg.patches.cpu": "patches/cpu"},
     python_requires=">=3.10",
@@ -88,9 +94,9 @@ setup(
         "console_scripts": ["megatron-pg-agg-parity=megatron_pg_agg.parity:main"],
         # verl loads every plug-in of this group on import (VERL_USE_EXTERNAL_PLUGINS=auto, its default):
         # the plug-in registers loss_mode "pg_agg" and patches verl's Megatron engine, inert until used
-        "verl.plugins": ["megatron_pg_agg = megatron_pg_agg.integrations.verl_plugin"],
+        "verl.plugins": ["megatron_pg_agg = megatron_pg_agg.integrations.verl.plugin"],
         # the trainer's --hf-model/--save-hf reach Megatron-Bridge through this seam
         # (megatron_pg_agg/training/model_source.py): the training layer imports no integration
-        "megatron_pg_agg.model_sources": ["hf = megatron_pg_agg.integrations.hf_bridge:open_hf_model"],
+        "megatron_pg_agg.model_sources": ["hf = megatron_pg_agg.integrations.bridge.hf_model:open_hf_model"],
     },
 )

@@ -17,7 +17,7 @@ from areal.api.cli_args import GRPOConfig, load_expr_config
 from areal.dataset import get_custom_dataset
 from areal.utils.hf_utils import load_hf_tokenizer
 
-from megatron_pg_agg.integrations.areal_plugin import use_pg_agg
+from megatron_pg_agg.integrations.areal.plugin import use_pg_agg
 
 
 def main(args):

@@ -7,7 +7,7 @@ Flags: ``python launch/grpo_reach.py --help``. The code lives in megatron_pg_agg
 """
 import sys
 
-from megatron_pg_agg.online.comparison import main
+from megatron_pg_agg.online.comparison_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,10 +10,10 @@ plug-in's config checks run as soon as the config is loaded (before Ray, the tok
 Arguments and config are NeMo-RL's (``--config`` and Hydra overrides); the objective is
 ``loss_fn.pg_agg`` (docs/nemo-rl.md). The file run is NeMo-RL's own, unchanged: this script loads
 it from the checkout and wraps its ``MasterConfig`` and ``setup`` for the two changes
-(:mod:`megatron_pg_agg.integrations.nemo_rl_launch`). Needs NeMo-RL's own stack (Ray,
+(:mod:`megatron_pg_agg.integrations.nemo_rl.launch`). Needs NeMo-RL's own stack (Ray,
 its generation backend, GPUs) and megatron_pg_agg installed where its Megatron workers run.
 """
-from megatron_pg_agg.integrations.nemo_rl_launch import main
+from megatron_pg_agg.integrations.nemo_rl.launch import main
 
 if __name__ == "__main__":
     main()

@@ -5,11 +5,12 @@ with the project's policy-gradient objective, on a local HF model and rollout fi
         --pg-loss-aggregation prompt_mean --num-microbatches 2 --train-iters 10
 
 Python 3.12 with the ``bridge`` extra (docs/hf-models.md). Flags: ``--help``. The pieces live in
-megatron_pg_agg.integrations.bridge_loop (for a user's own ConfigContainer recipe) and bridge_cli.
+megatron_pg_agg.integrations.bridge.loop (for a user's own ConfigContainer recipe) and
+megatron_pg_agg.integrations.bridge.cli.
 """
 import sys
 
-from megatron_pg_agg.integrations.bridge_cli import main
+from megatron_pg_agg.integrations.bridge.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,15 +26,6 @@ Patches that can change a run (any device)
     ``megatron_rl`` (:mod:`.megatron_rl`), Megatron-LM core_v0.19.x: the RL loop's rollout and
     collection seams (the RL entry's replayed rollouts and planner), ``fp32_output`` dropped
     where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran.
-    ``verl_engine`` (:mod:`.verl_engine`), verl 0.9: the step weights on verl's mini-batch before its
-    micro-batch split, the actor worker's loss set when ``loss_mode`` is ``pg_agg``, the critic
-    worker's loss (``TrainingWorker.set_loss_fn``) when ``critic.loss_agg_mode`` names one of the
-    project's modes, and the critic's mode settled at verl's start-up check (``validate_config``)
-    (``megatron_pg_agg.integrations.verl_plugin``).
-    ``areal_actor`` (:mod:`.areal_actor`), AReaL 1.0.x: the actor's and the critic's optimizer steps
-    cut along whole prompt groups for the plug-in's marked batches, and the critic's value head put in
-    place before megatron-core's DDP (AReaL 1.0.4 puts it after: outside the gradient buffers)
-    (``megatron_pg_agg.integrations.areal_plugin`` applies it).
     The machinery: :mod:`._machinery` (the :class:`Patch` mechanism), :mod:`._megatron_lm_release`
     (a Megatron-LM checkout's release), :mod:`._step_factor` (the per-step factors' shared pieces).
 
@@ -51,20 +42,13 @@ CPU stand-ins (patches/cpu: CPU-only, each refuses to apply where CUDA is availa
     stats, ``Module.cuda()``, nvcc/make builds, the JIT warm-up, and a stand-in for the one
     triton-importing module).
     ``megatron_rl_cpu`` (:mod:`.cpu.megatron_rl_cpu`): the RL loop's data path on CPU.
-    ``bridge_cpu`` (:mod:`.cpu.bridge_cpu`): Megatron-Bridge imports without Transformer Engine (a
-    stand-in for its LoRA layers module). megatron-core 0.19, megatron-bridge 0.6.
-    ``bridge_loop_cpu`` (:mod:`.cpu.bridge_loop_cpu`): Megatron-Bridge's own training loop on CPU
-    (``allow_no_cuda``, the CUDA spots of its set-up, loop and loaders).
-    AReaL's Megatron engine on CPU (tests): :func:`.cpu.areal_cpu.apply_areal_cpu_patches` applies
-    ``cpu_gloo`` and the stand-ins ``areal_engine_cpu``, ``mbridge_pins``, ``mbridge_cpu``,
-    ``areal_mbridge_dtype``, ``optimizer_cpu`` (docs/areal.md).
-    NeMo-RL's Megatron training path on CPU (tests): :func:`.cpu.nemo_rl_cpu.apply_nemo_rl_cpu_patches`
-    applies ``cpu_gloo``, ``bridge_cpu``, ``bridge_loop_cpu``, ``optimizer_cpu`` and the
-    stand-ins ``mcore_fsdp_adapter_names``, ``nemo_rl_cuda_iterator``, ``nemo_rl_global_batch_counts``,
-    ``nemo_rl_train_statistics``, ``nemo_rl_cp_allgather_backward``, ``nemo_rl_policy_worker_cuda``;
-    :mod:`.cpu.te_cp_thd_attention` is a core attention for its context parallelism without
-    Transformer Engine (docs/nemo-rl.md).
-    :mod:`.cpu._cpu_torch`: the CPU proxies of ``torch`` these patches put in a module's namespace.
+    :mod:`.cpu.cpu_torch`: the CPU proxies of ``torch`` these patches put in a module's namespace
+    (the hosts' stand-ins use them too).
+
+The hosts' own patches and CPU stand-ins (verl's engine, AReaL's actor, Megatron-Bridge, NeMo-RL) live
+with their plug-ins in ``megatron_pg_agg.integrations.<host>``; each host folder applies them through
+:func:`._machinery.apply`, and :func:`revert_megatron_patches` reverts them with the rest. Nothing here
+imports a host.
 
 Usage::
 
@@ -75,9 +59,9 @@ Usage::
 """
 from __future__ import annotations
 
-from . import _machinery, megatron_lm_log, megatron_rl, moe_aux_loss, mtp_loss, verl_engine
+from . import _machinery, megatron_lm_log, megatron_rl, moe_aux_loss, mtp_loss
 from ._machinery import Patch, Target, is_applied
-from .cpu import bridge_cpu, bridge_loop_cpu, cpu_gloo, megatron_lm_cpu, megatron_rl_cpu, optimizer_cpu
+from .cpu import cpu_gloo, megatron_lm_cpu, megatron_rl_cpu, optimizer_cpu
 
 __all__ = [
     "PATCHES",
@@ -98,9 +82,6 @@ PATCHES: dict[str, Patch] = {
     mtp_loss.NAME: mtp_loss.PATCH,
     megatron_rl.NAME: megatron_rl.PATCH,
     megatron_rl_cpu.NAME: megatron_rl_cpu.PATCH,
-    bridge_cpu.NAME: bridge_cpu.PATCH,
-    bridge_loop_cpu.NAME: bridge_loop_cpu.PATCH,
-    verl_engine.NAME: verl_engine.PATCH,
 }
 """Every known patch, by name, in application order."""
 
@@ -108,8 +89,7 @@ PATCHES: dict[str, Patch] = {
 def apply_megatron_patches(*, cpu_gloo: bool = True, optimizer_cpu: bool = False, megatron_lm_cpu: bool = False,
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
                            mtp_loss: bool = False, megatron_rl: bool = False,
-                           megatron_rl_cpu: bool = False, bridge_cpu: bool = False,
-                           bridge_loop_cpu: bool = False, verl_engine: bool = False) -> list[str]:
+                           megatron_rl_cpu: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -119,8 +99,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, optimizer_cpu: bool = False
     wanted = {"cpu_gloo": cpu_gloo, "optimizer_cpu": optimizer_cpu, "megatron_lm_cpu": megatron_lm_cpu,
               "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
-              "megatron_rl_cpu": megatron_rl_cpu, "bridge_cpu": bridge_cpu,
-              "bridge_loop_cpu": bridge_loop_cpu, "verl_engine": verl_engine}
+              "megatron_rl_cpu": megatron_rl_cpu}
     return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
 
 

@@ -133,6 +133,32 @@ class _StoodIn:
     module: types.ModuleType
 
 
+def require_distribution(name: str, distribution: str, version: Optional[str], supported: str) -> None:
+    """A precondition's release check of a patched library other than megatron-core: refuse patch ``name``
+    unless ``distribution``'s installed ``version`` (None: not installed) is in ``supported``."""
+    if version is None or not in_range(version, supported):
+        raise RuntimeError(f"patch {name!r} supports {distribution} {supported!r}, but "
+                           f"{'none' if version is None else version} is installed; nothing was patched.")
+
+
+def patch_family(*, supported: str, refusal: Callable[[str], Callable[[], None]],
+                 verify: Optional[Callable[[str], Callable[[], None]]] = None,
+                 unsupported_reason: Optional[str] = None) -> Callable[..., Patch]:
+    """The ``Patch`` maker of one family of patches (a host's CPU stand-ins): the family's megatron-core
+    range, its refusal (``refusal(name)`` -> the precondition), its release check (``verify(name)``) and
+    its out-of-range reason are written once. Returns ``make(name, why, *targets, stand_ins=(),
+    precondition=None) -> Patch``; a ``precondition`` given to ``make`` replaces the family's refusal
+    (and must refuse the same way itself)."""
+
+    def make(name: str, why: str, *targets: Target, stand_ins: tuple[StandIn, ...] = (),
+             precondition: Optional[Callable[[], None]] = None) -> Patch:
+        return Patch(name=name, supported=supported, why=why, targets=targets, stand_ins=stand_ins,
+                     precondition=precondition or refusal(name), verify=verify(name) if verify else None,
+                     unsupported_reason=unsupported_reason)
+
+    return make
+
+
 _APPLIED: dict[str, list[_Installed]] = {}
 """Patch name -> what it replaced, in application order. The single source of truth."""
 _STOOD_IN: dict[str, list[_StoodIn]] = {}

@@ -34,7 +34,7 @@ MARKER = ".megatron_pg_agg_output.json"
 HF_KIND = "hf"
 """The kind of a ``--save-hf`` folder (an HF checkpoint: config, safetensors, tokenizer files)."""
 TINY_HF_KIND = "tiny_hf"
-"""The kind of a folder made by :mod:`megatron_pg_agg.integrations.tiny_hf`."""
+"""The kind of a folder made by :mod:`megatron_pg_agg.integrations.bridge.tiny_hf`."""
 
 
 class OutputFolderError(RuntimeError):

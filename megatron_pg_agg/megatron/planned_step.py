@@ -1,7 +1,7 @@
 """The forward step and the per-iteration record of a loop that owns the schedule.
 
 Megatron-LM's ``pretrain()`` (:mod:`megatron_pg_agg.training.megatron_lm`) and Megatron-Bridge's
-``pretrain`` (:mod:`megatron_pg_agg.integrations.bridge_loop`) run megatron-core's
+``pretrain`` (:mod:`megatron_pg_agg.integrations.bridge.loop`) run megatron-core's
 forward-backward schedule themselves, reduce the report pairs (``[sum, count]``, all-reduced over
 DP x CP, ``sum / count``) and step the optimizer. What the project supplies there is written once
 here: the forward step over the planned microbatches of a

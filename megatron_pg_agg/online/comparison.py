@@ -27,7 +27,7 @@ import shutil
 import time
 from dataclasses import dataclass
 
-__all__ = ["VARIANTS", "Variant", "main", "summary_rows"]
+__all__ = ["VARIANTS", "Variant", "summary_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ VARIANTS = (
     Variant("seq_mean_no_std", "ablation: seq_mean, no std", "seq_mean", False),
     Variant("constant_std", "ablation: constant + std", "constant", True),
 )
-_BY_NAME = {v.name: v for v in VARIANTS}
+BY_NAME = {v.name: v for v in VARIANTS}
 
 QUICK = dict(seeds=1, steps=60, variants=("grpo", "dr_grpo"))
 """``--quick``: one seed, the two variants the CI check compares, fewer steps."""
@@ -170,7 +170,7 @@ def plot(records: list, path: str) -> None:
         for ax, (key, title) in zip(axes, panels):
             values = [[runs[seed][k][key] for seed in runs] for k in steps]
             mean = [_nanmean(v) for v in values]
-            line, = ax.plot(steps, mean, label=_BY_NAME[name].label, linewidth=1.6)
+            line, = ax.plot(steps, mean, label=BY_NAME[name].label, linewidth=1.6)
             if len(runs) > 1:
                 ax.fill_between(steps, [_nanmin(v) for v in values], [_nanmax(v) for v in values],
                                 color=line.get_color(), alpha=0.18, linewidth=0)
@@ -200,25 +200,6 @@ def _nanmin(values):
 
 def _nanmax(values):
     return max(_finite(values))
-
-
-def main(argv=None) -> int:
-    """The torchrun entry (``launch/grpo_reach.py``)."""
-    from megatron_pg_agg.training.logs import setup_logging  # noqa: PLC0415
-    from megatron_pg_agg.training.worker_process import quiet_startup_noise  # noqa: PLC0415
-
-    setup_logging("[reach]")
-    quiet_startup_noise(verbose="--verbose" in (argv or []), outside_info=True)
-    args, extra = build_parser().parse_known_args(argv)
-    if args.quick:
-        args.seeds, args.steps, args.variants = QUICK["seeds"], QUICK["steps"], ",".join(QUICK["variants"])
-    unknown = [n for n in args.variants.split(",") if n not in _BY_NAME]
-    if unknown:
-        build_parser().error(f"--variants: unknown {unknown}; choose from {', '.join(_BY_NAME)}")
-    variants = [_BY_NAME[n] for n in args.variants.split(",")]
-    from .run import run_comparison  # noqa: PLC0415  (imports megatron.core after the quieting)
-
-    return run_comparison(args, variants, extra)
 
 
 def write_outputs(folder: str, records: list, *, with_plot: bool) -> list:

@@ -1,18 +1,6 @@
 """Layout parity: one optimizer step under several parallel layouts against a single-device reference.
 
-    python -m megatron_pg_agg.parity                      # every layout, mode and policy loss
-    python -m megatron_pg_agg.parity --modes seq_mean --policy-losses ppo,gspo --json out.json --plot errors.png
-
-The launcher groups the layouts by world size and starts one ``torchrun`` per group (many layouts
-per launch: start-up dominates). Each worker computes the reference on its own (TP = PP = 1,
-per-sequence forward passes, the objective in float64 Python sums written from the README's
-formulas, sharing no code with the package's loss or aggregation, autograd), then for every
-layout: builds the model with the reference weights (TP shards sliced by ``partition_dim``,
-pipeline layers mapped by ``layer_number``), plans the step, runs megatron-core's real
-forward-backward schedule with DDP and ``finalize_model_grads``, gathers the gradient shards and
-compares: the logged objective within 1e-6 relative, every parameter's gradient within 1e-5
-(max abs error / max abs reference value). Layouts marked as controls are negative controls:
-they pass the check only if parity FAILS. Exit status 0 iff every row passes.
+The command and what it checks: :mod:`.cli` (its docstring is the command's ``--help``).
 
 Modules: ``fixture`` (tolerances, the built-in step, the cases), ``models`` (the tiny models),
 ``reference`` (the independent objective), ``workers`` (the torchrun side), ``report`` (tables,

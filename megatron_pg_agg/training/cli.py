@@ -24,7 +24,13 @@ def main(argv=None) -> int:
     from .trainer import NonFiniteStepError, train  # noqa: PLC0415
 
     try:
-        train(RunConfig.from_args(namespace))
+        cfg = RunConfig.from_args(namespace)
+        if cfg.online is None:
+            train(cfg)
+        else:  # no --rollouts: the main job, online GRPO through the trainer (it imports the trainer)
+            from megatron_pg_agg.online.main_job import train_online  # noqa: PLC0415
+
+            train_online(cfg)
     except StartupError as err:
         # every rank reaches the same refusal (the checks read the same flags, files and gathered
         # names), so rank 0 alone prints it; every rank exits 2

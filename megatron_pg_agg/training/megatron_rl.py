@@ -310,7 +310,7 @@ def megatron_forward_step(cuda: bool):
 
     if cuda:
         return train_rl.forward_step
-    from megatron_pg_agg.patches.cpu._cpu_torch import _TensorCudaIsIdentity, under_mode
+    from megatron_pg_agg.patches.cpu.cpu_torch import _TensorCudaIsIdentity, under_mode
 
     on_cpu = under_mode(_TensorCudaIsIdentity)
 

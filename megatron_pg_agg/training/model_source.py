@@ -2,7 +2,7 @@
 
 The trainer asks for a source by kind and path; the installed package's entry points of group
 :data:`GROUP` map each kind to an opener ``open(path) -> ModelSource`` (setup.py:
-``hf = megatron_pg_agg.integrations.hf_bridge:open_hf_model``, through Megatron-Bridge). So the
+``hf = megatron_pg_agg.integrations.bridge.hf_model:open_hf_model``, through Megatron-Bridge). So the
 training layer never imports an integration, and another source (a different converter) plugs in
 by adding an entry point, not by editing the trainer.
 """
@@ -27,7 +27,7 @@ class ModelSource(Protocol):
 
     shape: Any
     """The model's shape (``num_layers``, ``hidden_size``, ... as :class:`~megatron_pg_agg.
-    integrations.hf_bridge.HFShape`)."""
+    integrations.bridge.hf_model.HFShape`)."""
 
     def build_chunks(self, **settings) -> list:
         """This rank's megatron-core model chunks with the source's weights (collective)."""

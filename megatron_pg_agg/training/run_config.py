@@ -273,7 +273,7 @@ HF_SHAPE_FLAGS = (
 def _hf_model_config(ns: argparse.Namespace) -> "ModelConfig":
     """The model of ``--hf-model``: its shape from the HF config (through Megatron-Bridge's
     provider); a shape flag given on the command line that disagrees is refused, naming both."""
-    # the "hf" source (integrations.hf_bridge, through its entry point) checks the folder, then the
+    # the "hf" source (integrations.bridge.hf_model, through its entry point) checks the folder, then the
     # install, then opens it through Megatron-Bridge (an optional extra)
     try:
         shape = open_model_source("hf", ns.hf_model).shape

@@ -8,8 +8,8 @@ exists) are :mod:`megatron_pg_agg.training.run_config`: the flags are parsed onc
 
 Offline (``--rollouts``), one iteration = one optimizer step = one rollout step (``step`` in the
 JSONL). Iteration ``i`` trains on rollout step ``i mod (number of steps)``: the data position is
-the iteration counter, saved with every checkpoint. Online (no ``--rollouts``: :func:`train` hands
-the job to :mod:`megatron_pg_agg.online.main_job`), one iteration = one batch sampled from the live
+the iteration counter, saved with every checkpoint. Online (no ``--rollouts``: the command line,
+:mod:`.cli`, hands the job to :mod:`megatron_pg_agg.online.main_job`), one iteration = one batch sampled from the live
 policy and ``--updates-per-batch`` optimizer steps on it (:func:`train_step` with ``advance``
 False but for the last), in the same loop (:func:`run_iterations`).
 
@@ -441,13 +441,13 @@ def close(s: Session, record: dict) -> dict:
 
 
 def train(cfg: RunConfig) -> dict:
-    """Run the whole job: setup, steps, close. Returns rank 0's last metrics record (empty dict
-    elsewhere). Without rollouts (``cfg.online``) the job is the online run
-    (:func:`megatron_pg_agg.online.main_job.train_online`), through :func:`run_iterations` too."""
+    """Run the whole job on the run's rollouts: setup, steps, close. Returns rank 0's last metrics
+    record (empty dict elsewhere). A run without rollouts (``cfg.online``) is the online main job,
+    :func:`megatron_pg_agg.online.main_job.train_online` (the command line chooses: ``training.cli``),
+    which runs through :func:`run_iterations` too."""
     if cfg.online is not None:
-        from megatron_pg_agg.online.main_job import train_online  # noqa: PLC0415  (it imports this module)
-
-        return train_online(cfg)
+        raise ValueError("a RunConfig without rollouts (cfg.online) is the online main job: run it with "
+                         "megatron_pg_agg.online.main_job.train_online, not trainer.train")
     s = setup(cfg)
     return run_iterations(s, lambda: train_step(s))
 

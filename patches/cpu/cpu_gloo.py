@@ -39,7 +39,7 @@ HOW (wrappers only, never a copy of an upstream function)
       ``torch.cuda.current_device()`` (the router module's ``torch`` is proxied like the others);
       the alltoall token dispatcher creates a CUDA side stream for its device-to-host copies and
       records/synchronises an event on it (its module's ``torch`` is the ``training`` proxy of
-      :mod:`._cpu_torch`, whose streams here also record no-op events: CPU work is ordered, and
+      :mod:`.cpu_torch`, whose streams here also record no-op events: CPU work is ordered, and
       its ``maybe_move_tensor_to_cpu`` returns the numpy split sizes the all-to-all needs, as
       it does for GPU tensors);
       and ``moe_utils.RouterGatingLinearFunction`` reads the module global ``te_general_gemm``,
@@ -89,7 +89,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...versions import SUPPORTED_MEGATRON_CORE
 from .._machinery import Patch, Target
-from ._cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy, under_mode
+from .cpu_torch import _NoStream, _TensorCudaIsIdentity, make_torch_proxy, under_mode
 
 NAME = "cpu_gloo"
 SUPPORTED = SUPPORTED_MEGATRON_CORE
@@ -193,7 +193,7 @@ class _NoEvent:
 
 
 class _NoStreamWithEvents(_NoStream):
-    """:class:`._cpu_torch._NoStream` that also records (no-op) events, as the alltoall token
+    """:class:`.cpu_torch._NoStream` that also records (no-op) events, as the alltoall token
     dispatcher does after its device-to-host copies."""
 
     def record_event(self, event: Any = None) -> _NoEvent:

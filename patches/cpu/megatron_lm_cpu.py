@@ -15,7 +15,7 @@ WHY
 
 HOW (wrappers only, never a copy of an upstream function)
     * ``torch`` in the namespace of each module in :data:`TORCH_PROXY_MODULES` is the CPU proxy of
-      :mod:`._cpu_torch` in its ``training`` form: CUDA factories land on the CPU, the current
+      :mod:`.cpu_torch` in its ``training`` form: CUDA factories land on the CPU, the current
       device is the CPU, ``device_count()`` is 1, streams/``set_device``/``empty_cache`` are
       no-ops, memory statistics are 0, and the CUDA RNG state is the CPU generator's.
     * ``megatron.training.training.initialize_megatron`` is called with ``allow_no_cuda=True``.
@@ -44,7 +44,7 @@ import torch
 from ...versions import SUPPORTED_MEGATRON_CORE
 from .._machinery import Patch, StandIn, Target
 from .._megatron_lm_release import check_checkout
-from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
+from .cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
 
 NAME = "megatron_lm_cpu"
 SUPPORTED = SUPPORTED_MEGATRON_CORE

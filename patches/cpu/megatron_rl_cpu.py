@@ -12,7 +12,7 @@ WHY
 
 HOW (wrappers only, never a copy of an upstream function)
     * ``torch`` in ``megatron.rl.rl_utils`` and ``megatron.rl.sequence_packing_utils`` is the CPU
-      proxy of :mod:`._cpu_torch` (CUDA factories on the CPU, synchronize/empty_cache no-ops).
+      proxy of :mod:`.cpu_torch` (CUDA factories on the CPU, synchronize/empty_cache no-ops).
     * ``rl_utils.get_grpo_data_iterator`` (the whole collection: rollouts, advantages, the
       log-prob passes, the data iterator) runs with ``Tensor.cuda()`` as the identity.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from .._machinery import Patch, Target
 from .._megatron_lm_release import check_checkout
 from ..megatron_rl import RL_UTILS, SUPPORTED, UNSUPPORTED_REASON
-from ._cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
+from .cpu_torch import _TensorCudaIsIdentity, make_torch_proxy, under_mode
 from .megatron_lm_cpu import _require_cpu_only
 
 NAME = "megatron_rl_cpu"

@@ -28,7 +28,8 @@ HOW (wrappers, never a copy)
 
     CPU-only: refuses where CUDA is available (a GPU run uses megatron-core's own code, unchanged).
     Applied by the trainer and the Megatron-LM entries on CPU, and with the AReaL
-    (:mod:`.areal_cpu`) and NeMo-RL (:mod:`.nemo_rl_cpu`) CPU patches.
+    (:mod:`megatron_pg_agg.integrations.areal.cpu`) and NeMo-RL (:mod:`megatron_pg_agg.integrations.nemo_rl.cpu`)
+    CPU patches.
 
 TARGETS (megatron-core 0.15 to 0.19; the type checks are the same in 0.15.3, 0.16.1, 0.17.1 and 0.19.2)
     ``megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__``;
@@ -42,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...versions import SUPPORTED_MEGATRON_CORE
 from .._machinery import Patch, Target
-from ._cpu_torch import make_torch_proxy, under_mode
+from .cpu_torch import make_torch_proxy, under_mode
 
 NAME = "optimizer_cpu"
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.optional_stack
 
 @pytest.fixture(scope="module", autouse=True)
 def _areal_installed():
-    from megatron_pg_agg.patches.areal_actor import areal_problem
+    from megatron_pg_agg.integrations.areal.actor_patch import areal_problem
 
     require(areal_problem(), REQUIRE_AREAL)
 

@@ -1,7 +1,7 @@
 """Hugging Face models through Megatron-Bridge: --hf-model / --save-hf in the trainer, on CPU.
 
 Tiny Llama, Qwen2, Qwen3 and Qwen3-MoE models are made locally by the project's own command
-(``python -m megatron_pg_agg.integrations.tiny_hf``, transformers' ``save_pretrained``). Expected
+(``python -m megatron_pg_agg.integrations.bridge.tiny_hf``, transformers' ``save_pretrained``). Expected
 values come from transformers (its fp32 forward for the logits, its float64 forward and autograd for
 the objective and gradient norm) and from the safetensors files it wrote (for the round trips); none
 from megatron-core or Megatron-Bridge.
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.optional_stack  # .ci/run: after installing the stack
 
 
 def _bridge_problem():
-    from megatron_pg_agg.integrations.hf_folder import bridge_install_problem
+    from megatron_pg_agg.integrations.bridge.hf_folder import bridge_install_problem
 
     return bridge_install_problem()
 
@@ -52,7 +52,7 @@ def models(tmp_path_factory):
     for name in (*FAMILIES, TIED):
         out = root / name
         family, tie = (name, []) if name != TIED else ("qwen3", ["--tie-word-embeddings"])
-        rc, log, _ = run([sys.executable, "-m", "megatron_pg_agg.integrations.tiny_hf", "--family", family,
+        rc, log, _ = run([sys.executable, "-m", "megatron_pg_agg.integrations.bridge.tiny_hf", "--family", family,
                           "--seed", "3", *tie, str(out)], 120, f"tiny {name}", env=child_env())
         assert rc == 0, log[-5000:]
         made[name] = str(out)

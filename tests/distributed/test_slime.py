@@ -33,7 +33,7 @@ import os
 
 import pytest
 
-from megatron_pg_agg.integrations.slime_plugin import CHECKOUT_ENV, checkout_problem
+from megatron_pg_agg.integrations.slime.plugin import CHECKOUT_ENV, checkout_problem
 from tests.support.launching import child_env, run, torchrun, worker
 from tests.support.optional import REQUIRE_MEGATRON_LM, require
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.optional_stack  # .ci/run: after installing the stack
 
 @pytest.fixture(scope="module", autouse=True)
 def _verl_installed():
-    from megatron_pg_agg.integrations.verl_config import verl_install_problem
+    from megatron_pg_agg.integrations.verl.config import verl_install_problem
 
     require(verl_install_problem(), REQUIRE_VERL)
 
@@ -39,7 +39,7 @@ def _verl_installed():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl") / "qwen3"
-    rc, log, _ = run([sys.executable, "-m", "megatron_pg_agg.integrations.tiny_hf", "--family", "qwen3",
+    rc, log, _ = run([sys.executable, "-m", "megatron_pg_agg.integrations.bridge.tiny_hf", "--family", "qwen3",
                       "--seed", "3", str(out)], 120, "tiny qwen3", env=child_env())
     assert rc == 0, log[-5000:]
     return str(out)

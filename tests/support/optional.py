@@ -29,7 +29,7 @@ def require_nemo_rl() -> str:
     stack (docs/nemo-rl.md) import; else skip, or fail under ``MEGATRON_PG_AGG_REQUIRE_NEMO_RL=1``."""
     import sys
 
-    from megatron_pg_agg.integrations.nemo_rl_plugin import CHECKOUT_ENV, checkout_problem
+    from megatron_pg_agg.integrations.nemo_rl.plugin import CHECKOUT_ENV, checkout_problem
 
     path = os.environ.get(CHECKOUT_ENV)
     require(checkout_problem(path), REQUIRE_NEMO_RL)

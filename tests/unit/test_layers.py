@@ -1,20 +1,39 @@
-"""The package's layers import downward only: core <- data <- megatron <- training <- integrations.
+"""The package's layers import downward only: core <- data <- patches <- megatron <- training <- integrations.
 A lower layer that imports a higher one (even inside a function) makes the higher layer's optional
 stack a dependency of the lower one; the trainer reaches Megatron-Bridge through the model-source
-seam (training/model_source.py) instead. The package root (``megatron_pg_agg/__init__.py``, the
-public API) imports core and training, so core, data, megatron and training never import a name
-from it (its version lives in ``megatron_pg_agg/versions.py``, which they may import)."""
+seam (training/model_source.py) instead. ``patches`` (the top-level ``patches/`` folder, shipped as
+``megatron_pg_agg.patches``) holds Megatron's patches and the machinery only: the hosts' patches and
+stand-ins live in ``integrations/<host>/``, so importing megatron/ or training/ loads no host module.
+The package root (``megatron_pg_agg/__init__.py``, the public API) imports core and training, so no
+layer below integrations imports a name from it (its version lives in ``megatron_pg_agg/versions.py``,
+which they may import)."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megatron_pg_agg"
-ORDER = ["core", "data", "megatron", "training", "integrations"]
-BELOW_THE_ROOT = ["core", "data", "megatron", "training"]
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_pg_agg"
+ORDER = ["core", "data", "patches", "megatron", "training", "integrations"]
+BELOW_THE_ROOT = ["core", "data", "patches", "megatron", "training"]
+FOLDERS = {layer: ROOT / "patches" if layer == "patches" else PACKAGE / layer for layer in ORDER}
+"""Each layer's folder on disk (setup.py's package_dir ships ``patches/`` as ``megatron_pg_agg.patches``)."""
+HOSTS = ["areal", "verl", "slime", "nemo_rl", "bridge"]
+
+
+def _dotted(path: Path) -> tuple:
+    """The shipped dotted name of the module at ``path``, as parts."""
+    for layer, folder in FOLDERS.items():
+        if path.is_relative_to(folder):
+            return ("megatron_pg_agg", layer, *path.relative_to(folder).with_suffix("").parts)
+    return path.relative_to(ROOT).with_suffix("").parts
 
 
 def _is_submodule(dotted: str) -> bool:
     """Whether ``dotted`` (``megatron_pg_agg.x.y``) is a module or package of the package on disk."""
-    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    parts = dotted.split(".")
+    folder = FOLDERS.get(parts[1]) if len(parts) > 1 and parts[0] == "megatron_pg_agg" else None
+    path = folder.joinpath(*parts[2:]) if folder else ROOT.joinpath(*parts)
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
@@ -25,7 +44,7 @@ def _imports(path: Path) -> set:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against the module's package
-                base = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-node.level]
+                base = _dotted(path)[:-node.level]
                 module = ".".join((*base, *(node.module.split(".") if node.module else ())))
             else:
                 module = node.module
@@ -37,26 +56,53 @@ def _imports(path: Path) -> set:
     return names
 
 
+def test_the_walk_resolves_the_shipped_patches_folder():
+    """``patches/cpu/cpu_gloo.py``'s ``from .._machinery import ...`` is megatron_pg_agg.patches._machinery:
+    without the folder map it would resolve to no module and every import of patches/ would pass unseen."""
+    assert "megatron_pg_agg.patches._machinery" in _imports(ROOT / "patches" / "cpu" / "cpu_gloo.py")
+    assert "megatron_pg_agg.versions" in _imports(ROOT / "patches" / "_machinery.py")
+
+
 def test_no_layer_imports_a_higher_one():
     wrong = []
     for rank, layer in enumerate(ORDER):
         higher = [f"megatron_pg_agg.{name}" for name in ORDER[rank + 1:]]
-        for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for path in sorted(FOLDERS[layer].rglob("*.py")):
             for name in _imports(path):
                 if any(name == h or name.startswith(h + ".") for h in higher):
-                    wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {name}")
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, wrong
 
 
 def test_no_layer_below_the_root_imports_the_package_root():
-    """``from megatron_pg_agg import __version__`` (or any public name) in core/data/megatron/training is an
-    arrow back up: the root imports training.args, so the layer would import itself through it."""
+    """``from megatron_pg_agg import __version__`` (or any public name) in core/data/patches/megatron/training
+    is an arrow back up: the root imports training.args, so the layer would import itself through it."""
     wrong = []
     for layer in BELOW_THE_ROOT:
-        for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for path in sorted(FOLDERS[layer].rglob("*.py")):
             if "megatron_pg_agg" in _imports(path):
-                wrong.append(f"{path.relative_to(PACKAGE.parent)} imports the package root megatron_pg_agg")
+                wrong.append(f"{path.relative_to(ROOT)} imports the package root megatron_pg_agg")
     assert not wrong, wrong
+
+
+def test_importing_megatron_and_training_loads_no_host_module():
+    """Every module of megatron/ and training/ imported in a fresh interpreter: neither a host folder of
+    integrations/ nor a host's own package is loaded (a host's patch registered from patches/ would be)."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import megatron_pg_agg.megatron as m, megatron_pg_agg.training as t\n"
+        "for pkg in (m, t):\n"
+        "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(info.name)\n"
+        f"hosts = {[f'megatron_pg_agg.integrations.{h}' for h in HOSTS]!r}\n"
+        "own = ('verl', 'areal', 'nemo_rl', 'slime', 'mbridge')\n"
+        "loaded = [n for n in sys.modules if any(n == h or n.startswith(h + '.') for h in hosts)\n"
+        "          or n.split('.')[0] in own or n.startswith('megatron.bridge')]\n"
+        "print(len([n for n in sys.modules if n.startswith('megatron_pg_agg.training.')]), sorted(loaded))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, loaded = out.stdout.strip().split(" ", 1)
+    assert int(count) >= 10 and loaded == "[]", out.stdout
 
 
 def test_the_hf_source_is_reached_through_its_entry_point():
@@ -65,4 +111,4 @@ def test_the_hf_source_is_reached_through_its_entry_point():
     import importlib.metadata
 
     (entry,) = importlib.metadata.entry_points(group="megatron_pg_agg.model_sources", name="hf")
-    assert entry.value == "megatron_pg_agg.integrations.hf_bridge:open_hf_model"
+    assert entry.value == "megatron_pg_agg.integrations.bridge.hf_model:open_hf_model"

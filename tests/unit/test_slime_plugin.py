@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from megatron_pg_agg.integrations import slime_plugin
-from megatron_pg_agg.integrations.slime_plugin import config_problems, role_args
+from megatron_pg_agg.integrations.slime import plugin as slime_plugin
+from megatron_pg_agg.integrations.slime.plugin import config_problems, role_args
 
 BASE = dict(calculate_per_token_loss=False, custom_pg_loss_reducer_function_path=None, global_batch_size=8,
             megatron_config_path="roles.yaml", use_critic=True)

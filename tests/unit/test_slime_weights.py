@@ -1,7 +1,7 @@
 """The slime plug-in's per-sample denominators (host side, no slime import except its step grouping).
 
 slime trains ``J_slime = (1/gbs) sum_i sum_t n_it l_it / clamp_min(D_i, 1)`` per optimizer step
-(megatron_pg_agg/integrations/slime_weights.py). Here that expression is evaluated in float64 on the
+(megatron_pg_agg/integrations/slime/weights.py). Here that expression is evaluated in float64 on the
 plug-in's ``D_i`` and compared with the README's mode formulas written out below (no package
 aggregation code); the distributed test runs slime's own loss in megatron-core's schedule.
 """
@@ -10,11 +10,18 @@ from __future__ import annotations
 import os
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from megatron_pg_agg.integrations.slime_plugin import CHECKOUT_ENV, checkout_problem, config_problems
-from megatron_pg_agg.integrations.slime_weights import SlimeConfigError, SlimeObjective, step_denominators
+from megatron_pg_agg.integrations.objective import HostObjective
+from megatron_pg_agg.integrations.slime.plugin import (
+    CHECKOUT_ENV,
+    checkout_problem,
+    config_problems,
+    objective_from_args,
+)
+from megatron_pg_agg.integrations.slime.weights import SlimeConfigError, step_denominators
 from tests.support.optional import require
 
 REQUIRE_SLIME = "MEGATRON_PG_AGG_REQUIRE_SLIME"
@@ -79,7 +86,7 @@ def test_slimes_objective_on_the_denominators_is_the_mode_formula(mode, divisor,
     den, num, group_ids, losses, steps = make_rollout(seed)
     gbs = 3  # small next to the units, so that no D_i is refused
     D = step_denominators(den, num, steps, group_ids, global_batch_size=gbs,
-                          objective=SlimeObjective(mode, divisor))
+                          objective=HostObjective(mode, divisor))
     for step in steps:
         want = reference(mode, den, num, group_ids, losses, step, divisor)
         got = slime_objective(D, num, losses, step, gbs)
@@ -93,7 +100,7 @@ def test_the_per_mode_denominators_are_the_documented_ones():
     num = [[1, 0, 0], [1, 1, 1, 1], [0, 0], [1, 1, 1]]
     groups = ["a", "a", "b", "b"]
     step = [[0, 1, 2, 3]]
-    d = {mode: step_denominators(den, num, step, groups, global_batch_size=2, objective=SlimeObjective(mode, div))
+    d = {mode: step_denominators(den, num, step, groups, global_batch_size=2, objective=HostObjective(mode, div))
          for mode, div in MODES}
     assert d["token_mean"] == pytest.approx([9 / 2, 9 / 2, 1.0, 9 / 2], rel=1e-7)
     assert d["seq_mean"] == pytest.approx([3 * 2 / 2, 3 * 4 / 2, 1.0, 3 * 3 / 2], rel=1e-7)
@@ -107,11 +114,11 @@ def test_a_denominator_below_one_is_refused_naming_the_samples_and_one_is_accept
     den = [[1, 1], [1], [1, 1], [1]]
     groups = ["a", "a", "b", "b"]
     ok = step_denominators(den, den, [[0, 1, 2, 3]], groups, global_batch_size=6,
-                           objective=SlimeObjective("prompt_mean"))
+                           objective=HostObjective("prompt_mean"))
     assert ok == pytest.approx([1.0] * 4, rel=1e-7)
     with pytest.raises(SlimeConfigError) as info:
         step_denominators(den, den, [[0, 1, 2, 3]], groups, global_batch_size=7,
-                          objective=SlimeObjective("prompt_mean"), names=["s0", "s1", "s2", "s3"])
+                          objective=HostObjective("prompt_mean"), names=["s0", "s1", "s2", "s3"])
     text = str(info.value)
     for name in ("s0", "s1", "s2", "s3"):
         assert f"{name} (step 0): D_i = 0.8571" in text
@@ -122,7 +129,7 @@ def test_a_removed_sample_alone_below_one_is_not_refused():
     """A sample with no numerator token adds nothing whatever its D_i (seq_mean, S*D_s/gbs < 1)."""
     den = [[1], [1, 1, 1, 1]]
     num = [[0], [1, 1, 1, 1]]
-    D = step_denominators(den, num, [[0, 1]], None, global_batch_size=2, objective=SlimeObjective("seq_mean"))
+    D = step_denominators(den, num, [[0, 1]], None, global_batch_size=2, objective=HostObjective("seq_mean"))
     assert D == pytest.approx([1.0, 4.0], rel=1e-7)
 
 
@@ -130,20 +137,24 @@ def test_prompt_mean_refuses_a_group_cut_across_steps_and_missing_groups():
     den = [[1, 1]] * 4
     with pytest.raises(SlimeConfigError, match=r"group 1 over steps \[0, 1\].*--n-samples-per-prompt"):
         step_denominators(den, den, [[0, 1, 2], [3]], [0, 0, 1, 1], global_batch_size=1,
-                          objective=SlimeObjective("prompt_mean"))
+                          objective=HostObjective("prompt_mean"))
     with pytest.raises(SlimeConfigError, match=r"group 1 over steps \[0, 'the remainder slime drops'\]"):
         step_denominators(den, den, [[0, 1, 2]], [0, 0, 1, 1], global_batch_size=1,
-                          objective=SlimeObjective("prompt_mean"))
+                          objective=HostObjective("prompt_mean"))
     with pytest.raises(SlimeConfigError, match="Sample.group_index.*sample 2"):
         step_denominators(den, den, [[0, 1, 2, 3]], [0, 0, None, 1], global_batch_size=1,
-                          objective=SlimeObjective("prompt_mean"))
+                          objective=HostObjective("prompt_mean"))
 
 
 def test_objective_and_flags_refused_by_name():
-    with pytest.raises(SlimeConfigError, match="pg_agg_mode='constant'"):
-        SlimeObjective("constant")
-    with pytest.raises(SlimeConfigError, match="unknown mode"):
-        SlimeObjective("tokenmean")
+    with pytest.raises(SlimeConfigError, match="pg_agg_mode='constant', pg_agg_divisor=None: .*needs divisor"):
+        objective_from_args(SimpleNamespace(pg_agg_mode="constant"))
+    with pytest.raises(SlimeConfigError, match="pg_agg_mode='tokenmean', pg_agg_divisor=None: unknown mode"):
+        objective_from_args(SimpleNamespace(pg_agg_mode="tokenmean"))
+    with pytest.raises(SlimeConfigError, match="pg_agg_mode is not set"):
+        objective_from_args(SimpleNamespace())
+    assert objective_from_args(SimpleNamespace(pg_agg_mode="constant", pg_agg_divisor=512)) == \
+        HostObjective("constant", 512.0)
     args = type("Args", (), dict(calculate_per_token_loss=True, custom_pg_loss_reducer_function_path="my.reducer",
                                  global_batch_size=8))()
     problems = config_problems(args)
@@ -174,7 +185,7 @@ def test_the_step_grouping_is_slimes_build_dp_schedule():
     Fails when slime changes its grouping (and the distributed test with it)."""
     sys.path.insert(0, _checkout())
     try:
-        from megatron_pg_agg.integrations.slime_plugin import slime_steps
+        from megatron_pg_agg.integrations.slime.plugin import slime_steps
 
         ids = [5, 5, 2, 9, 2, 7, 7, 7, 1, 5, 3]
         for gbs in (1, 2, 3, 4):

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node {1,2} -m tests.distributed.workers.areal_checks DIR OUT.json [CASE_NAMES]
 
 DIR: the tiny Qwen3 and tokenizer of ``areal_worker --make-model``. Every rank builds the plug-in's
-actor (:func:`megatron_pg_agg.integrations.areal_plugin.actor_class`, AReaL's ``MegatronPPOActor``
+actor (:func:`megatron_pg_agg.integrations.areal.plugin.actor_class`, AReaL's ``MegatronPPOActor``
 subclass) through AReaL's own initialisation (``areal_worker``: its config, ``create_process_group``,
 ``initialize``, mbridge, the distributed optimizer), float32, once; the cases then change only what
 AReaL reads per call (``mb_spec``, ``ppo_n_minibatches``, the loss options, ``m2_threshold``, the
@@ -29,7 +29,7 @@ its log-probs: position t holds the teacher's log-prob of token t+1), ``rl_loss_
 KD term's token mean over the step's valid tokens (written here, float64) to ``step_objective``.
 
 Critic cases (``critic-*``), after the actor's: the plug-in's critic (:func:`megatron_pg_agg.
-integrations.areal_plugin.critic_class`, AReaL's ``MegatronPPOCritic`` subclass, ``is_critic=True``:
+integrations.areal.plugin.critic_class`, AReaL's ``MegatronPPOCritic`` subclass, ``is_critic=True``:
 its value head random, no ``value_head.pt``) built the same way in the same processes; AReaL's
 ``compute_values`` gives V_old (moved by fixed noise so that the value clip binds on part of the
 tokens), the actor's ``compute_advantages`` the returns, then the critic's ``ppo_update``. The
@@ -140,8 +140,9 @@ def configure(actor, case: dict) -> None:
     from areal.api.cli_args import MicroBatchSpec, NormConfig
     from areal.utils.data import Normalization
 
-    from megatron_pg_agg.integrations.areal_loss import ResponseGroupBaseline
-    from megatron_pg_agg.integrations.areal_plugin import ArealObjective
+    from megatron_pg_agg.integrations.areal.loss import ResponseGroupBaseline
+    from megatron_pg_agg.integrations.areal.plugin import ArealSettings
+    from megatron_pg_agg.integrations.objective import HostObjective
 
     cfg = actor.actor.config  # the engine's config too: one PPOActorConfig
     actor.actor.adv_norm = Normalization(NormConfig(mean_level="group" if case["centred"] else None,
@@ -155,8 +156,8 @@ def configure(actor, case: dict) -> None:
     cfg.use_decoupled_loss = decoupled
     cfg.recompute_logprob = decoupled
     actor.actor.m2_threshold = case["m2"]
-    actor.pg_agg_objective = ArealObjective(case["mode"], DIVISOR if case["mode"] == "constant" else None,
-                                            case["baseline"])
+    actor.pg_agg_settings = ArealSettings(HostObjective(case["mode"], DIVISOR if case["mode"] == "constant" else None),
+                                          case["baseline"])
     actor.pg_agg_baseline = (None if case["baseline"] is None else
                              ResponseGroupBaseline(std=case["baseline"] == "response_mean_std"))
 
@@ -215,13 +216,13 @@ def main(argv: list) -> None:
     wanted = set(argv[2].split(",")) if len(argv) > 2 else None
     torch.set_num_threads(1)
     os.environ["MEGATRON_PG_AGG_AREAL"] = "token_mean"  # the first objective; each case sets its own
-    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+    from megatron_pg_agg.integrations.areal.cpu import apply_areal_cpu_patches
 
     apply_areal_cpu_patches()
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_pg_agg.integrations.areal_plugin import actor_class, critic_class
+    from megatron_pg_agg.integrations.areal.plugin import actor_class, critic_class
     from tests.distributed.workers.areal_worker import critic_config
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -299,7 +300,7 @@ class Run:
         stock: one step)."""
         from areal.utils.data import concat_batch
 
-        from megatron_pg_agg.integrations.areal_loss import GROUP, tag_groups, whole_group_minibatches
+        from megatron_pg_agg.integrations.areal.loss import GROUP, tag_groups, whole_group_minibatches
 
         marked, _ = concat_batch(tag_groups(data))
         local = (whole_group_minibatches(marked, case["ppo_n_minibatches"], key) if case["kind"] == "plugin"
@@ -386,12 +387,13 @@ def critic_batch(actor, critic, mine: list, pick: list) -> list:
 def configure_critic(critic, case: dict) -> None:
     from areal.api.cli_args import MicroBatchSpec
 
-    from megatron_pg_agg.integrations.areal_plugin import ArealObjective
+    from megatron_pg_agg.integrations.areal.plugin import ArealSettings
+    from megatron_pg_agg.integrations.objective import HostObjective
 
     critic.config.mb_spec = MicroBatchSpec(**SPLITS[case["split"]])
     critic.config.ppo_n_minibatches = case["ppo_n_minibatches"]  # PPOCritic reads the same config object
-    critic.pg_agg_objective = ArealObjective(case["mode"], DIVISOR if case["mode"] == "constant" else None,
-                                             value_mode=case["value_mode"])
+    critic.pg_agg_settings = ArealSettings(HostObjective(case["mode"], DIVISOR if case["mode"] == "constant" else None),
+                                           value_mode=case["value_mode"])
 
 
 def run_critic_case(critic, probe, case, data, run, values, results) -> None:

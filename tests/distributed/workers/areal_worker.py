@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node {1,2} -m tests.distributed.workers.areal_worker DIR OUT.json [PARAMS]
 
 ``--make-model`` writes a tiny Qwen3 (2 layers, hidden 64, vocab 128, random weights from seed 3:
-``megatron_pg_agg.integrations.tiny_hf``) and a local word-level tokenizer (AReaL's engine loads one
+``megatron_pg_agg.integrations.bridge.tiny_hf``) and a local word-level tokenizer (AReaL's engine loads one
 with ``AutoTokenizer``; nothing comes from a hub) to DIR.
 
 The run builds AReaL's ``MegatronPPOActor`` as AReaL's trainer does in SPMD mode
@@ -12,7 +12,7 @@ The run builds AReaL's ``MegatronPPOActor`` as AReaL's trainer does in SPMD mode
 AReaL's ``ModelAllocation``), ``create_process_group(alloc.parallel)``, ``initialize(None,
 FinetuneSpec)`` (mbridge builds the model from DIR and loads its weights; DDP and megatron-core's
 distributed optimizer by default), all in float32, after ``apply_areal_cpu_patches()``
-(``patches/cpu/areal_cpu.py``). The batch is 4 prompt groups x 3 responses of ragged
+(``megatron_pg_agg/integrations/areal/cpu/__init__.py``). The batch is 4 prompt groups x 3 responses of ragged
 lengths, as AReaL's ``GroupedRolloutWorkflow`` hands it over: one dict per group (``input_ids``,
 ``attention_mask``, ``loss_mask``, ``logprobs``, ``versions``, ``rewards``; each response padded
 to its group's longest, AReaL's own ``concat_padded_tensors``). The log-probs are the model's own
@@ -67,7 +67,7 @@ def make_model(path: str) -> str:
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_pg_agg.integrations.tiny_hf import make_tiny_model
+    from megatron_pg_agg.integrations.bridge.tiny_hf import make_tiny_model
 
     make_tiny_model("qwen3", path, seed=3, vocab_size=VOCAB, num_layers=2)
     core = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
@@ -195,7 +195,7 @@ def main(argv: list[str]) -> None:
         params.update(json.loads(open(argv[2]).read() if os.path.isfile(argv[2]) else argv[2]))
     torch.set_num_threads(1)
 
-    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+    from megatron_pg_agg.integrations.areal.cpu import apply_areal_cpu_patches
 
     apply_areal_cpu_patches()
     import torch.distributed as dist

@@ -50,7 +50,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_pg_agg.integrations.hf_bridge import iter_hf_weights, open_hf_model
+    from megatron_pg_agg.integrations.bridge.hf_model import iter_hf_weights, open_hf_model
     from megatron_pg_agg.megatron.layout import ParallelSizes
     from megatron_pg_agg.megatron.model import hf_contract_settings
     from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel
@@ -94,7 +94,7 @@ def main() -> None:
 
 def _trained(spec: dict, ids: list) -> dict:
     """The trainer's own setup and steps on the spec's flags, then the logits and the HF folder."""
-    from megatron_pg_agg.integrations.hf_bridge import open_hf_model, save_hf_folder
+    from megatron_pg_agg.integrations.bridge.hf_model import open_hf_model, save_hf_folder
     from megatron_pg_agg.training.run_config import RunConfig, parse_flags
     from megatron_pg_agg.training.trainer import setup, train_step
 

@@ -15,7 +15,7 @@ methods read) trains it: ``train()`` (``process_global_batch``, ``get_microbatch
 in megatron-core 0.19.2's schedule, DDP, ``optimizer.step()``: 2 optimizer steps), or the split path
 (``begin_train_step`` / ``train_microbatch`` / ``finish_train_step`` per step).
 
-Stand-ins: the CPU patches of ``megatron_pg_agg.patches.cpu.nemo_rl_cpu`` (each CPU-only), and
+Stand-ins: the CPU patches of ``megatron_pg_agg.integrations.nemo_rl.cpu`` (each CPU-only), and
 for CP the core attention ``CpThdDotProductAttention`` (packed THD without Transformer Engine).
 The model: megatron-core's GPTModel, local spec, 2 layers, hidden 64, vocab 128, float32.
 
@@ -96,7 +96,7 @@ def build(cp: int, split: str, moe: bool, seed: int = 1234):
     config = model_config(cp, moe)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     if cp > 1:
-        from megatron_pg_agg.patches.cpu.te_cp_thd_attention import CpThdDotProductAttention
+        from megatron_pg_agg.integrations.nemo_rl.cpu.te_cp_thd_attention import CpThdDotProductAttention
 
         spec.submodules.self_attention.submodules.core_attention = CpThdDotProductAttention
     elif split == "packing":
@@ -268,7 +268,7 @@ def run_case(case, cp: int, batch, groups: list) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 
-    from megatron_pg_agg.integrations.nemo_rl_plugin import step_batch, use_pg_agg
+    from megatron_pg_agg.integrations.nemo_rl.plugin import step_batch, use_pg_agg
 
     name, mode, split, path, kind, keys = case
     moe = name.startswith("moe")
@@ -329,7 +329,7 @@ def main(argv: list) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    from megatron_pg_agg.patches.cpu.nemo_rl_cpu import apply_nemo_rl_cpu_patches
+    from megatron_pg_agg.integrations.nemo_rl.cpu import apply_nemo_rl_cpu_patches
 
     apply_nemo_rl_cpu_patches()
     from megatron.core import parallel_state

@@ -76,7 +76,7 @@ def main(argv: list) -> None:
     os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 500))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
-    from megatron_pg_agg.patches.cpu.nemo_rl_cpu import apply_nemo_rl_cpu_patches
+    from megatron_pg_agg.integrations.nemo_rl.cpu import apply_nemo_rl_cpu_patches
 
     apply_nemo_rl_cpu_patches()
     from megatron.core import parallel_state

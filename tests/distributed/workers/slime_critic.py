@@ -206,7 +206,7 @@ def critic_runs(modes: dict, splits: dict, samples, clean) -> list:
 
 def run_critic(run, state, cp: int, rank: int) -> dict:
     """One critic case's result row (``refused``: the hook's message)."""
-    from megatron_pg_agg.integrations.slime_weights import SlimeConfigError
+    from megatron_pg_agg.integrations.slime.weights import SlimeConfigError
 
     _name, extra, overrides, data, mode, div, plugin = run
     args, role_args = critic_args(extra, overrides)

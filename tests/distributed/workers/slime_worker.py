@@ -63,7 +63,7 @@ import types
 T0 = time.monotonic()
 CHECKOUT = os.path.abspath(os.environ["MEGATRON_PG_AGG_SLIME"])
 MEGATRON_LM = os.path.abspath(os.environ["MEGATRON_LM_PATH"])
-PLUGIN_HOOK = "megatron_pg_agg.integrations.slime_plugin.convert_samples_to_train_data"
+PLUGIN_HOOK = "megatron_pg_agg.integrations.slime.plugin.convert_samples_to_train_data"
 
 VOCAB = 40
 GROUP_SIZE = 3
@@ -295,7 +295,7 @@ def convert_and_split(args, samples, cp: int) -> list:
     from megatron.core import parallel_state as mpu
     from slime.utils.misc import load_function
 
-    from megatron_pg_agg.integrations.slime_plugin import _manager_class
+    from megatron_pg_agg.integrations.slime.plugin import _manager_class
 
     manager = object.__new__(_manager_class())  # slime's RolloutManager without Ray's actor start-up
     manager.args = args
@@ -459,7 +459,7 @@ def actor_runs(samples, clean) -> list:
 
 def run_actor(run, state, cp: int, rank: int, refs: dict) -> dict:
     """One actor case's result row (``refused``: the hook's message); ``refs`` caches the references."""
-    from megatron_pg_agg.integrations.slime_weights import SlimeConfigError
+    from megatron_pg_agg.integrations.slime.weights import SlimeConfigError
 
     _name, extra, data, mode, div, plugin = run
     args = slime_args(extra)

@@ -348,7 +348,7 @@ def main() -> None:
     from verl.workers.utils.losses import ppo_loss
 
     from megatron_pg_agg.core.losses import PGLossConfig
-    from megatron_pg_agg.integrations.verl_plugin import worker_loss
+    from megatron_pg_agg.integrations.verl.worker_losses import worker_loss
     from megatron_pg_agg.parity import step_objective
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

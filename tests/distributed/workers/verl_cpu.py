@@ -59,9 +59,9 @@ def cpu_platform():
 
 def setup_cpu() -> None:
     """Before anything builds: the project's CPU patches, verl's CPU platform, the engine lookup."""
-    from megatron_pg_agg.patches import apply_megatron_patches
+    from megatron_pg_agg.integrations.bridge.cpu import apply_bridge_cpu_patches
 
-    apply_megatron_patches(cpu_gloo=True, bridge_cpu=True, bridge_loop_cpu=True)
+    apply_bridge_cpu_patches(loop=True)
     from verl.plugin.platform import set_platform
 
     set_platform(cpu_platform())
@@ -78,7 +78,7 @@ def build_engine(hf_path: str, *, per_token_loss: bool, remove_padding: bool = T
     from verl.workers.config import HFModelConfig, McoreCheckpointConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
-    from megatron_pg_agg.integrations.hf_bridge import _layer_spec
+    from megatron_pg_agg.integrations.bridge.hf_model import _layer_spec
     from megatron_pg_agg.megatron.model import device_settings
 
     overrides = {"transformer_layer_spec": _layer_spec, "attention_backend": AttnBackend.auto,

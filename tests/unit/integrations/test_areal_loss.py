@@ -123,7 +123,7 @@ def engine_objective(data, current, mode, *, n_steps, mb_spec, loss=None, m2_thr
     from areal.trainer.ppo.actor import grpo_loss_fn
     from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
 
-    from megatron_pg_agg.integrations.areal_loss import exact_loss_fn, prepare_step, take_rows, whole_group_minibatches
+    from megatron_pg_agg.integrations.areal.loss import exact_loss_fn, prepare_step, take_rows, whole_group_minibatches
 
     loss = loss or functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None)
     data = {**data, "_current": current}
@@ -226,7 +226,7 @@ def test_optimizer_steps_hold_whole_groups(n_steps):
     exactly one, and prompt_mean summed over the steps is the sum of each step's own reference.
     Catches a group cut across steps (AReaL's own FFD split cuts 2 of 4 here)."""
     _areal()
-    from megatron_pg_agg.integrations.areal_loss import take_rows, whole_group_minibatches
+    from megatron_pg_agg.integrations.areal.loss import take_rows, whole_group_minibatches
 
     data, current, rows = make_batch()
     steps = whole_group_minibatches(data, n_steps)
@@ -242,7 +242,7 @@ def test_optimizer_steps_hold_whole_groups(n_steps):
 @pytest.mark.optional_stack
 def test_more_steps_than_groups_is_refused_naming_the_key():
     _areal()
-    from megatron_pg_agg.integrations.areal_loss import ArealBatchError, whole_group_minibatches
+    from megatron_pg_agg.integrations.areal.loss import ArealBatchError, whole_group_minibatches
 
     data, _, _ = make_batch()
     with pytest.raises(ArealBatchError, match="actor.ppo_n_minibatches=5.*4 group"):
@@ -302,7 +302,7 @@ def test_token_mean_through_the_plugin_is_areals_own_loss_bit_for_bit():
     from areal.trainer.ppo.actor import grpo_loss_fn
     from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
 
-    from megatron_pg_agg.integrations.areal_loss import exact_loss_fn, prepare_step
+    from megatron_pg_agg.integrations.areal.loss import exact_loss_fn, prepare_step
 
     data, current, _ = make_batch()
     loss = functools.partial(grpo_loss_fn, eps_clip=EPS, eps_clip_higher=None, c_clip=None)
@@ -323,7 +323,7 @@ def test_a_step_the_objective_cannot_take_is_refused_by_name():
     """prompt_mean without the plug-in's group marks (its ppo_update did not run). AReaL's
     distillation term is no longer refused (its own term: the tests below)."""
     _areal()
-    from megatron_pg_agg.integrations.areal_loss import COEF, GROUP, ArealBatchError, prepare_step
+    from megatron_pg_agg.integrations.areal.loss import COEF, GROUP, ArealBatchError, prepare_step
 
     data, _, _ = make_batch()
     unmarked = {k: v for k, v in data.items() if k != GROUP}
@@ -405,7 +405,7 @@ def test_control_the_kd_term_inside_the_pg_call_misses_under_m2po():
     _areal()
     from areal.trainer.ppo.actor import grpo_loss_fn
 
-    from megatron_pg_agg.integrations.areal_loss import COEF, NUMERATOR
+    from megatron_pg_agg.integrations.areal.loss import COEF, NUMERATOR
 
     data, current, rows = make_batch(seed=3)
     g = torch.Generator().manual_seed(5)
@@ -446,7 +446,7 @@ def test_the_two_call_kd_loss_logs_areals_statistics_once_per_micro_batch():
     from areal.utils import stats_tracker
     from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
 
-    from megatron_pg_agg.integrations.areal_loss import exact_loss_fn, prepare_step
+    from megatron_pg_agg.integrations.areal.loss import exact_loss_fn, prepare_step
 
     data, current, _ = make_batch()
     data = with_teacher(data, RL_WEIGHT)
@@ -504,7 +504,7 @@ def critic_objective(data, current, mode, *, n_steps, mb_spec, plugin=True):
     from areal.utils.data import pack_tensor_dict, split_padded_tensor_dict_into_mb_list
 
     from megatron_pg_agg.core.value import ValueLossConfig
-    from megatron_pg_agg.integrations.areal_loss import (
+    from megatron_pg_agg.integrations.areal.loss import (
         exact_value_loss_fn,
         prepare_step,
         take_rows,
@@ -544,7 +544,7 @@ def test_the_critic_loss_is_exact_under_every_split(mode, n_steps):
     a wrong c^v_t or D/W, the micro-batch weight w_i not divided out, the clip not AReaL's (eps, the
     max of the two branches, the 0.5), or the clip range not read from AReaL's partial."""
     _areal()
-    from megatron_pg_agg.integrations.areal_loss import take_rows, whole_group_minibatches
+    from megatron_pg_agg.integrations.areal.loss import take_rows, whole_group_minibatches
 
     data, current, rows = make_critic_batch()
     steps = whole_group_minibatches(data, n_steps)
@@ -588,7 +588,7 @@ def test_the_critic_clip_range_is_read_off_areals_partial():
     _areal()
     from areal.trainer.ppo.critic import ppo_loss_fn
 
-    from megatron_pg_agg.integrations.areal_loss import ArealBatchError, value_clip_eps
+    from megatron_pg_agg.integrations.areal.loss import ArealBatchError, value_clip_eps
 
     assert value_clip_eps(functools.partial(ppo_loss_fn, eps_clip=0.25)) == 0.25
     with pytest.raises(ArealBatchError, match="cannot read critic.eps_clip"):

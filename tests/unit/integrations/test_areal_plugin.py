@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_pg_agg.integrations.areal_loss import ResponseGroupBaseline
-from megatron_pg_agg.integrations.areal_plugin import (
+from megatron_pg_agg.integrations.areal.loss import ResponseGroupBaseline
+from megatron_pg_agg.integrations.areal.plugin import (
     ENV,
     ArealConfigError,
-    ArealObjective,
+    ArealSettings,
     config_problems,
     critic_config_problems,
-    objective_from_env,
+    settings_from_env,
 )
+from megatron_pg_agg.integrations.objective import HostObjective
 from tests.support.optional import REQUIRE_AREAL, require
 
 
@@ -101,46 +102,46 @@ def test_control_areals_own_group_normalisation_is_token_weighted():
 
 
 def test_objective_round_trips_through_the_environment(monkeypatch):
-    for objective in (ArealObjective("prompt_mean"), ArealObjective("constant", 512),
-                      ArealObjective("seq_mean", group_baseline="response_mean_std")):
-        monkeypatch.setenv(ENV, objective.encode())
-        assert objective_from_env() == objective
-    assert ArealObjective("constant", 512).encode() == "constant:512"
+    for settings in (ArealSettings(HostObjective("prompt_mean")), ArealSettings(HostObjective("constant", 512)),
+                     ArealSettings(HostObjective("seq_mean"), group_baseline="response_mean_std")):
+        monkeypatch.setenv(ENV, settings.encode())
+        assert settings_from_env() == settings
+    assert ArealSettings(HostObjective("constant", 512)).encode() == "constant:512"
     monkeypatch.setenv(ENV, "constant")
     with pytest.raises(ArealConfigError, match="needs divisor"):
-        objective_from_env()
+        settings_from_env()
     monkeypatch.setenv(ENV, "token_mean;baseline=grpo")
     with pytest.raises(ArealConfigError, match="unknown option"):
-        objective_from_env()
+        settings_from_env()
     monkeypatch.delenv(ENV)
     with pytest.raises(ArealConfigError, match="use_pg_agg"):
-        objective_from_env()
+        settings_from_env()
     with pytest.raises(ValueError, match="group_baseline='token'"):
-        ArealObjective("token_mean", group_baseline="token")
+        ArealSettings(HostObjective("token_mean"), group_baseline="token")
 
 
 def test_the_value_mode_round_trips_and_defaults_to_the_policys(monkeypatch):
     """``;value_mode=<mode>[:<L>]`` beside group_baseline, in either order, peers' names resolved;
     no value_mode: the critic's value term takes the policy's mode and divisor. Catches the option
     dropped on the way to the workers (encode/decode), or a default other than the policy's."""
-    cases = {"seq_mean;value_mode=token_mean": ArealObjective("seq_mean", value_mode="token_mean"),
+    cases = {"seq_mean;value_mode=token_mean": ArealSettings(HostObjective("seq_mean"), value_mode="token_mean"),
              "constant:512;group_baseline=response_mean;value_mode=constant:64":
-                 ArealObjective("constant", 512, "response_mean", "constant", 64),
-             "prompt_mean;value_mode=seq-mean-token-sum": ArealObjective("prompt_mean", value_mode="constant",
-                                                                         value_divisor=1),
+                 ArealSettings(HostObjective("constant", 512), "response_mean", "constant", 64),
+             "prompt_mean;value_mode=seq-mean-token-sum":
+                 ArealSettings(HostObjective("prompt_mean"), value_mode="constant", value_divisor=1),
              "token_mean;value_mode=seq_mean;group_baseline=response_mean_std":
-                 ArealObjective("token_mean", None, "response_mean_std", "seq_mean")}
-    for text, objective in cases.items():
+                 ArealSettings(HostObjective("token_mean"), "response_mean_std", "seq_mean")}
+    for text, settings in cases.items():
         monkeypatch.setenv(ENV, text)
-        assert objective_from_env() == objective, text
-        monkeypatch.setenv(ENV, objective.encode())
-        assert objective_from_env() == objective
-    assert ArealObjective("seq_mean", value_mode="constant", value_divisor=64).encode() == \
+        assert settings_from_env() == settings, text
+        monkeypatch.setenv(ENV, settings.encode())
+        assert settings_from_env() == settings
+    assert ArealSettings(HostObjective("seq_mean"), value_mode="constant", value_divisor=64).encode() == \
         "seq_mean;value_mode=constant:64"
-    assert ArealObjective("seq_mean").encode() == "seq_mean"
-    own = ArealObjective("constant", 512).value_loss(0.5)
+    assert ArealSettings(HostObjective("seq_mean")).encode() == "seq_mean"
+    own = ArealSettings(HostObjective("constant", 512)).value_loss(0.5)
     assert (own.mode, own.divisor, own.clip_eps, own.factor) == ("constant", 512, 0.5, 0.5)
-    other = ArealObjective("constant", 512, value_mode="seq_mean").value_loss(0.2)
+    other = ArealSettings(HostObjective("constant", 512), value_mode="seq_mean").value_loss(0.2)
     assert (other.mode, other.divisor, other.clip_eps) == ("seq_mean", None, 0.2)
     for text, message in (("token_mean;value_mode=constant", "needs divisor"),
                           ("token_mean;value_mode=bogus", "bogus"),
@@ -148,9 +149,9 @@ def test_the_value_mode_round_trips_and_defaults_to_the_policys(monkeypatch):
                           ("token_mean;value=seq_mean", "unknown option")):
         monkeypatch.setenv(ENV, text)
         with pytest.raises(ArealConfigError, match=message):
-            objective_from_env()
+            settings_from_env()
     with pytest.raises(ValueError, match="value divisor goes with a value mode"):
-        ArealObjective("token_mean", value_divisor=4)
+        ArealSettings(HostObjective("token_mean"), value_divisor=4)
 
 
 def _critic(**keys):
@@ -165,12 +166,12 @@ def test_critic_refusals_name_the_critic_keys():
     range of 0, tree training, context or pipeline parallelism in critic.backend, and a bridge
     other than mbridge; AReaL's example critic (eps 0.5, 4 steps over 8 prompts a rank) is not.
     Catches a critic key checked under the actor's name, or a refusal missing."""
-    objective = ArealObjective("prompt_mean")
-    assert critic_config_problems(_critic(ppo_n_minibatches=4), objective, prompts_per_step=16, dp_size=2,
+    settings = ArealSettings(HostObjective("prompt_mean"))
+    assert critic_config_problems(_critic(ppo_n_minibatches=4), settings, prompts_per_step=16, dp_size=2,
                                   samples_per_prompt=4) == []
-    (problem,) = critic_config_problems(_critic(ppo_n_minibatches=4), objective, prompts_per_step=6, dp_size=2)
+    (problem,) = critic_config_problems(_critic(ppo_n_minibatches=4), settings, prompts_per_step=6, dp_size=2)
     assert "critic.ppo_n_minibatches=4" in problem and "gives 3" in problem and "actor." not in problem, problem
-    (problem,) = critic_config_problems(_critic(ppo_n_minibatches=2, mb_spec=SimpleNamespace(n_mbs=4)), objective,
+    (problem,) = critic_config_problems(_critic(ppo_n_minibatches=2, mb_spec=SimpleNamespace(n_mbs=4)), settings,
                                         prompts_per_step=4, dp_size=2, samples_per_prompt=3)
     assert "critic.mb_spec.n_mbs=4" in problem and "critic.ppo_n_minibatches=2" in problem, problem
     for keys, expected in (({"is_critic": False}, "critic.is_critic=False"),
@@ -178,11 +179,11 @@ def test_critic_refusals_name_the_critic_keys():
                            ({"enable_tree_training": True}, "critic.enable_tree_training=True"),
                            ({"megatron": SimpleNamespace(bridge_type="megatron-bridge")},
                             "critic.megatron.bridge_type=megatron-bridge")):
-        (problem,) = critic_config_problems(_critic(**keys), objective)
+        (problem,) = critic_config_problems(_critic(**keys), settings)
         assert expected in problem, (keys, problem)
-    (problem,) = critic_config_problems(_critic(backend="megatron:d2c2"), objective, cp_size=2)
+    (problem,) = critic_config_problems(_critic(backend="megatron:d2c2"), settings, cp_size=2)
     assert "critic.backend=megatron:d2c2 has context parallelism" in problem, problem
-    (problem,) = critic_config_problems(_critic(backend="megatron:d1p2"), objective, pp_size=2)
+    (problem,) = critic_config_problems(_critic(backend="megatron:d1p2"), settings, pp_size=2)
     assert "critic.backend=megatron:d1p2 has 2 pipeline stages" in problem, problem
 
 
@@ -190,14 +191,14 @@ def test_start_up_refusals_name_the_areal_keys():
     """A step shape that would cut a group, tree training, M2PO with a log-linear proximal
     approximation: each refused naming AReaL's keys; a shape that fits is not."""
     actor = SimpleNamespace(ppo_n_minibatches=4, enable_tree_training=False, m2_threshold=None)
-    objective = ArealObjective("prompt_mean")
-    assert config_problems(actor, objective, prompts_per_step=8, dp_size=2) == []
-    (problem,) = config_problems(actor, objective, prompts_per_step=6, dp_size=2)
+    settings = ArealSettings(HostObjective("prompt_mean"))
+    assert config_problems(actor, settings, prompts_per_step=8, dp_size=2) == []
+    (problem,) = config_problems(actor, settings, prompts_per_step=6, dp_size=2)
     assert "actor.ppo_n_minibatches=4" in problem and "train_dataset.batch_size=6" in problem and "gives 3" in problem
     tree = SimpleNamespace(ppo_n_minibatches=1, enable_tree_training=True)
-    assert "actor.enable_tree_training=True" in config_problems(tree, objective)[0]
+    assert "actor.enable_tree_training=True" in config_problems(tree, settings)[0]
     m2 = SimpleNamespace(ppo_n_minibatches=1, m2_threshold=0.04, prox_logp_method="loglinear", use_decoupled_loss=True)
-    assert "actor.m2_threshold with actor.prox_logp_method=loglinear" in config_problems(m2, objective)[0]
+    assert "actor.m2_threshold with actor.prox_logp_method=loglinear" in config_problems(m2, settings)[0]
 
 
 def test_a_group_baseline_with_advantages_varying_along_a_response_is_refused_at_start_up():
@@ -207,12 +208,12 @@ def test_a_group_baseline_with_advantages_varying_along_a_response_is_refused_at
     def actor(**keys):
         return SimpleNamespace(ppo_n_minibatches=1, **{"kl_ctl": 0.0, "discount": 1.0, "gae_lambda": 1.0, **keys})
 
-    baseline = ArealObjective("seq_mean", group_baseline="response_mean_std")
+    baseline = ArealSettings(HostObjective("seq_mean"), group_baseline="response_mean_std")
     assert config_problems(actor(), baseline) == []
     for key, value in (("kl_ctl", 0.1), ("discount", 0.99), ("gae_lambda", 0.95)):
         (problem,) = config_problems(actor(**{key: value}), baseline)
         assert f"actor.{key}={value}" in problem and "group_baseline=response_mean_std" in problem, problem
-    assert config_problems(actor(kl_ctl=0.1), ArealObjective("seq_mean")) == []
+    assert config_problems(actor(kl_ctl=0.1), ArealSettings(HostObjective("seq_mean"))) == []
 
 
 def test_a_step_too_small_for_the_micro_batch_count_is_refused_at_start_up():
@@ -223,8 +224,8 @@ def test_a_step_too_small_for_the_micro_batch_count_is_refused_at_start_up():
     pigeonhole's floor(groups per rank / steps) groups."""
     def problems(prompts, n_mbs, pp_size=1, n_steps=2):
         actor = SimpleNamespace(ppo_n_minibatches=n_steps, mb_spec=SimpleNamespace(n_mbs=n_mbs))
-        return config_problems(actor, ArealObjective("token_mean"), prompts_per_step=prompts, dp_size=2,
-                               samples_per_prompt=3, pp_size=pp_size)
+        return config_problems(actor, ArealSettings(HostObjective("token_mean")), prompts_per_step=prompts,
+                               dp_size=2, samples_per_prompt=3, pp_size=pp_size)
 
     (problem,) = problems(prompts=4, n_mbs=4)
     for key in ("actor.mb_spec.n_mbs=4", "needs 4 sequences", "at most 3", "train_dataset.batch_size=4",
@@ -239,7 +240,7 @@ def test_a_relative_model_folder_is_made_absolute(tmp_path, monkeypatch):
     """actor.path / ref.path naming a folder relative to the working directory become absolute
     (mbridge would join the relative path onto itself); absolute paths, hub names and missing
     folders are left as given."""
-    from megatron_pg_agg.integrations.areal_plugin import _absolute_model_paths
+    from megatron_pg_agg.integrations.areal.plugin import _absolute_model_paths
 
     (tmp_path / "model").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -252,12 +253,13 @@ def test_a_relative_model_folder_is_made_absolute(tmp_path, monkeypatch):
 
 USE_PG_AGG = """
 import importlib, os, subprocess, sys
-from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+from megatron_pg_agg.integrations.areal.cpu import apply_areal_cpu_patches
 apply_areal_cpu_patches()  # CPU: AReaL's engine module imports megatron.bridge (stood in here)
 import areal.engine
 from areal.api.cli_args import GRPOConfig
 from areal.engine.megatron_engine import MegatronPPOActor as own, MegatronPPOCritic as own_critic
-from megatron_pg_agg.integrations.areal_plugin import ENV, ArealObjective, use_pg_agg
+from megatron_pg_agg.integrations.areal.plugin import ENV, ArealSettings, use_pg_agg
+from megatron_pg_agg.integrations.objective import HostObjective
 config = GRPOConfig()
 config.train_dataset.batch_size, config.actor.ppo_n_minibatches = 8, 2
 os.environ[ENV] = "constant:512;group_baseline=response_mean"
@@ -267,7 +269,7 @@ try:  # AReaL's default kl_ctl=0.1 puts a KL into the reward: refused with a gro
 except ValueError as error:
     assert "actor.kl_ctl=0.1" in str(error), error
 config.actor.kl_ctl = 0.0
-assert use_pg_agg(config) == ArealObjective("constant", 512, "response_mean")
+assert use_pg_agg(config) == ArealSettings(HostObjective("constant", 512), "response_mean")
 assert all(s.env_vars[ENV] == os.environ[ENV] for s in config.actor.scheduling_spec)
 from areal.engine import MegatronPPOActor as chosen  # what AReaL's trainer imports
 assert chosen is not own and issubclass(chosen, own)
@@ -294,12 +296,13 @@ try:
 except ValueError as error:
     assert "with a critic" in str(error), error
 c = with_critic()
-assert use_pg_agg(c, "constant", 64, value_mode="seq_mean") == ArealObjective("constant", 64, value_mode="seq_mean")
+assert use_pg_agg(c, "constant", 64, value_mode="seq_mean") == ArealSettings(HostObjective("constant", 64),
+                                                                            value_mode="seq_mean")
 assert all(s.env_vars[ENV] == "constant:64;value_mode=seq_mean" for s in c.critic.scheduling_spec)
 from areal.engine import MegatronPPOCritic as critic  # what AReaL's trainer imports (_create_critic)
 assert critic is not own_critic and issubclass(critic, own_critic)
 paths = [k.__module__ + "." + k.__name__ for k in (chosen, critic)]  # what its single-controller workers import
-code = ("from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
+code = ("from megatron_pg_agg.integrations.areal.cpu import apply_areal_cpu_patches; apply_areal_cpu_patches(); "
         "import importlib; areal = lambda c: next(b for b in c.__mro__ if b.__module__.startswith('areal.')); "
         "[print('CLASS', areal(c).__module__, areal(c).__name__) for c in "
         "(getattr(importlib.import_module(p.rpartition('.')[0]), p.rpartition('.')[2]) for p in %r)]" % paths)
@@ -329,8 +332,8 @@ def test_use_pg_agg_installs_the_actor_where_areals_trainer_and_workers_find_it(
 
     out = subprocess.run([sys.executable, "-c", USE_PG_AGG], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-5000:]
-    assert ("WORKER megatron_pg_agg.integrations.areal_plugin.PGAggMegatronPPOActor "
-            "megatron_pg_agg.integrations.areal_plugin.PGAggMegatronPPOCritic "
+    assert ("WORKER megatron_pg_agg.integrations.areal.plugin.PGAggMegatronPPOActor "
+            "megatron_pg_agg.integrations.areal.plugin.PGAggMegatronPPOCritic "
             "CLASS areal.engine.megatron_engine MegatronPPOActor "
             "CLASS areal.engine.megatron_engine MegatronPPOCritic 0") in out.stdout, out.stdout[-3000:]
 
@@ -340,7 +343,7 @@ def test_a_shape_that_would_cut_a_group_is_refused_naming_areals_keys(monkeypatc
     require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
     from areal.api.cli_args import GRPOConfig
 
-    from megatron_pg_agg.integrations.areal_plugin import use_pg_agg
+    from megatron_pg_agg.integrations.areal.plugin import use_pg_agg
 
     config = GRPOConfig()
     config.actor.backend = "megatron:d2p1t1"  # AReaL's own allocation string: 2 DP ranks
@@ -360,7 +363,7 @@ def test_areals_critic_hands_its_loss_the_cp_shard_beside_whole_sequences():
     of the output with the whole micro-batch's inputs and the ``_cp_*`` keys; the actor branch
     reassembles the shards, the critic branch calls the loss on the shard as is."""
     require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
-    from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+    from megatron_pg_agg.integrations.areal.cpu import apply_areal_cpu_patches
 
     apply_areal_cpu_patches()
     from areal.engine.megatron_engine import MegatronEngine
@@ -393,7 +396,7 @@ def test_a_non_megatron_actor_backend_is_refused_naming_the_key(monkeypatch):
     require(None if importlib.util.find_spec("areal") else "AReaL is not installed (docs/areal.md)", REQUIRE_AREAL)
     from areal.api.cli_args import GRPOConfig
 
-    from megatron_pg_agg.integrations.areal_plugin import use_pg_agg
+    from megatron_pg_agg.integrations.areal.plugin import use_pg_agg
 
     monkeypatch.delenv(ENV, raising=False)
     for backend in ("fsdp:d2", "archon:d2"):
@@ -401,20 +404,20 @@ def test_a_non_megatron_actor_backend_is_refused_naming_the_key(monkeypatch):
         config.actor.backend, config.train_dataset.batch_size = backend, 8  # AReaL's ppo_n_minibatches=4 fits
         with pytest.raises(ArealConfigError, match=f"actor.backend={backend}: the plug-in serves AReaL's Megatron"):
             use_pg_agg(config, "prompt_mean")
-    from megatron_pg_agg.integrations.areal_plugin import actor_problems
+    from megatron_pg_agg.integrations.areal.plugin import actor_problems
 
     config = GRPOConfig()
     config.actor.backend, config.train_dataset.batch_size = "megatron:d2p1t1", 8
-    assert actor_problems(config.actor, ArealObjective("prompt_mean"), prompts_per_step=8) == []
+    assert actor_problems(config.actor, ArealSettings(HostObjective("prompt_mean")), prompts_per_step=8) == []
 
 
 BUILT_DIRECTLY = """
 import os, sys
-from megatron_pg_agg.patches.cpu.areal_cpu import apply_areal_cpu_patches
+from megatron_pg_agg.integrations.areal.cpu import apply_areal_cpu_patches
 apply_areal_cpu_patches()  # CPU: AReaL's engine module imports megatron.bridge (stood in here)
 from areal.api.cli_args import PPOActorConfig, PPOCriticConfig
 from areal.api.io_struct import FinetuneSpec
-from megatron_pg_agg.integrations.areal_plugin import ENV, ArealConfigError, actor_class, critic_class
+from megatron_pg_agg.integrations.areal.plugin import ENV, ArealConfigError, actor_class, critic_class
 
 def refused(build, *args):
     try:

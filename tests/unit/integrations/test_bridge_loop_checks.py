@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_pg_agg.integrations.bridge_loop import pg_recipe_problems
-from megatron_pg_agg.patches.cpu import bridge_cpu, bridge_loop_cpu
+from megatron_pg_agg.integrations.bridge.cpu import lora_layers, training_loop
+from megatron_pg_agg.integrations.bridge.loop import pg_recipe_problems
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 from tests.support.optional import REQUIRE_BRIDGE, require
 
@@ -58,15 +58,16 @@ def test_each_problem_is_named(changes, words):
         assert word in problems[0], (word, problems)
 
 
-BRIDGE_RELEASE = (in_range(installed_megatron_core_version(), bridge_cpu.SUPPORTED)
-                  and bridge_cpu.installed_bridge_version() is not None)
+BRIDGE_RELEASE = (in_range(installed_megatron_core_version(), lora_layers.SUPPORTED)
+                  and lora_layers.installed_bridge_version() is not None)
 
 _APPLIED = """
 import torch
-from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patches
+from megatron_pg_agg.integrations.bridge.cpu import apply_bridge_cpu_patches
+from megatron_pg_agg.patches import revert_megatron_patches
 from megatron_pg_agg.patches._machinery import MARKER
 
-assert apply_megatron_patches(cpu_gloo=True, bridge_cpu=True, bridge_loop_cpu=True) == [
+assert apply_bridge_cpu_patches(loop=True) == [
     "cpu_gloo", "bridge_cpu", "bridge_loop_cpu"]
 from megatron.bridge.training import initialize, setup
 from megatron.bridge.models.model_provider import ModelProviderMixin
@@ -82,7 +83,7 @@ print("bridge_loop_cpu: applied and reverted")
 
 def test_the_model_is_built_on_the_cpu_whatever_the_caller_passes():
     calls = []
-    wrapped = bridge_loop_cpu._make_cpu_initialization(lambda self, *a, **k: calls.append((self, a, k)))
+    wrapped = training_loop._make_cpu_initialization(lambda self, *a, **k: calls.append((self, a, k)))
     wrapped("provider", ddp_config="ddp", use_cpu_initialization=False)
     assert calls == [("provider", (), {"ddp_config": "ddp", "use_cpu_initialization": True})]
 
@@ -94,4 +95,4 @@ def test_the_loop_patch_applies_to_megatron_bridge_0_6():
             REQUIRE_BRIDGE)
     out = subprocess.run([sys.executable, "-c", _APPLIED], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0 and "applied and reverted" in out.stdout, out.stderr[-5000:]
-    assert bridge_loop_cpu.NAME == "bridge_loop_cpu"
+    assert training_loop.NAME == "bridge_loop_cpu"

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron_pg_agg.data.output_folder import MARKER
-from megatron_pg_agg.integrations import hf_folder
-from megatron_pg_agg.integrations.hf_folder import BRIDGE_INSTALL, HFFolderError, open_hf_folder
+from megatron_pg_agg.integrations.bridge import hf_folder
+from megatron_pg_agg.integrations.bridge.hf_folder import BRIDGE_INSTALL, HFFolderError, open_hf_folder
 from tests.support.optional import REQUIRE_BRIDGE, require
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -118,7 +118,7 @@ def test_hf_model_is_refused_on_python_3_11_with_exit_2(tmp_path):
 
 
 def _fake_hf(source: Path, tensors: list, fail_after=None):
-    from megatron_pg_agg.integrations.hf_folder import HFFolder
+    from megatron_pg_agg.integrations.bridge.hf_folder import HFFolder
 
     def export(model, cpu, show_progress):
         for i, pair in enumerate(tensors):
@@ -142,7 +142,7 @@ def test_save_hf_folder_writes_config_weights_and_tokenizer_and_replaces_atomica
     _safetensors()
     from safetensors.torch import load_file
 
-    from megatron_pg_agg.integrations.hf_bridge import save_hf_folder
+    from megatron_pg_agg.integrations.bridge.hf_model import save_hf_folder
 
     source = tmp_path / "source"
     source.mkdir()
@@ -175,7 +175,7 @@ def test_save_hf_folder_writes_config_weights_and_tokenizer_and_replaces_atomica
 @pytest.mark.optional_stack
 def test_a_rank_other_than_0_writes_nothing(tmp_path):
     _safetensors()
-    from megatron_pg_agg.integrations.hf_bridge import save_hf_folder
+    from megatron_pg_agg.integrations.bridge.hf_model import save_hf_folder
 
     source = tmp_path / "source"
     source.mkdir()

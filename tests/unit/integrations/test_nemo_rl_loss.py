@@ -69,10 +69,11 @@ def _stock(nemo, options: Options):
 
 
 def _plugin(nemo, options: Options, mode: str, threshold=None):
-    from megatron_pg_agg.integrations.nemo_rl_loss import PGAggLossFn
-    from megatron_pg_agg.integrations.nemo_rl_weights import NemoRLObjective
+    from megatron_pg_agg.integrations.nemo_rl.loss import PGAggLossFn
+    from megatron_pg_agg.integrations.nemo_rl.weights import NemoRLSettings
+    from megatron_pg_agg.integrations.objective import HostObjective
 
-    return PGAggLossFn(_stock(nemo, options), NemoRLObjective(mode, MODES[mode], threshold))
+    return PGAggLossFn(_stock(nemo, options), NemoRLSettings(HostObjective(mode, MODES[mode]), threshold))
 
 
 def _data(nemo, batch: dict):
@@ -143,7 +144,7 @@ def _logprobs(batch: dict) -> torch.Tensor:
 
 
 def _check(nemo, batch, loss_fn, options, mode, *, split, dp, path="train", kept=None):
-    from megatron_pg_agg.integrations.nemo_rl_plugin import step_batch
+    from megatron_pg_agg.integrations.nemo_rl.plugin import step_batch
 
     gbs = batch["input_ids"].shape[0] // STEPS
     prepared = step_batch(_data(nemo, batch), loss_fn, gbs)

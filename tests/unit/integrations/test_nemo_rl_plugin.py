@@ -10,17 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_pg_agg.integrations.nemo_rl_plugin import NemoRLConfigError, config_problems, objective_from_config
-from megatron_pg_agg.integrations.nemo_rl_weights import (
+from megatron_pg_agg.integrations.nemo_rl.plugin import NemoRLConfigError, config_problems, settings_from_config
+from megatron_pg_agg.integrations.nemo_rl.weights import (
     ADVANTAGE_SCALE,
     NLL_SCALE,
     STEP_SEQUENCES,
     STEP_TOKENS,
     NemoRLBatchError,
-    NemoRLObjective,
+    NemoRLSettings,
     prompt_groups,
     step_fields,
 )
+from megatron_pg_agg.integrations.objective import HostObjective
 from tests.support.nemo_rl_reference import random_batch
 from tests.support.optional import require_nemo_rl
 
@@ -33,16 +34,17 @@ def _config(pg_agg=None, **parts):
 
 
 def test_the_objective_comes_from_loss_fn_pg_agg():
-    assert objective_from_config(_config({"mode": "prompt_mean"})) == NemoRLObjective("prompt_mean")
-    assert objective_from_config(_config({"mode": "seq-mean-token-sum"})) == NemoRLObjective("constant", 1.0)
+    assert settings_from_config(_config({"mode": "prompt_mean"})) == NemoRLSettings(HostObjective("prompt_mean"))
+    assert settings_from_config(_config({"mode": "seq-mean-token-sum", "seq_logprob_error_threshold": 1.5})) == \
+        NemoRLSettings(HostObjective("constant", 1.0), 1.5)
     with pytest.raises(NemoRLConfigError, match=r"\+\+loss_fn.pg_agg.mode=prompt_mean"):
-        objective_from_config(_config())
+        settings_from_config(_config())
     with pytest.raises(NemoRLConfigError, match=r"unknown key\(s\) \['mod'\]"):
-        objective_from_config(_config({"mod": "token_mean"}))
+        settings_from_config(_config({"mod": "token_mean"}))
     with pytest.raises(NemoRLConfigError, match="loss_fn.pg_agg=.*needs divisor"):
-        objective_from_config(_config({"mode": "constant"}))
+        settings_from_config(_config({"mode": "constant"}))
     with pytest.raises(NemoRLConfigError, match="seq_logprob_error_threshold must be a positive"):
-        objective_from_config(_config({"mode": "token_mean", "seq_logprob_error_threshold": -1}))
+        settings_from_config(_config({"mode": "token_mean", "seq_logprob_error_threshold": -1}))
 
 
 def test_a_scalar_pg_agg_is_refused_naming_the_key():
@@ -52,17 +54,17 @@ def test_a_scalar_pg_agg_is_refused_naming_the_key():
     for value in ("prompt_mean", 5, ["mode", "prompt_mean"]):
         with pytest.raises(NemoRLConfigError, match=r"loss_fn.pg_agg=.* is not a block: loss_fn.pg_agg must be "
                                                     r"a block of keys \['mode', 'divisor', 'seq_logprob_error_th"):
-            objective_from_config(_config(value))
+            settings_from_config(_config(value))
     with pytest.raises(NemoRLConfigError, match=r"e.g. \+\+loss_fn.pg_agg.mode=prompt_mean \(not "):
-        objective_from_config(_config("prompt_mean"))
+        settings_from_config(_config("prompt_mean"))
 
 
 def test_check_config_runs_every_start_up_check():
-    """check_config (use_pg_agg's checks, and the launcher's before setup()): the objective on an
+    """check_config (use_pg_agg's checks, and the launcher's before setup()): the settings on an
     accepted config; the block's own refusal; every config problem at once, naming the keys."""
-    from megatron_pg_agg.integrations.nemo_rl_plugin import check_config
+    from megatron_pg_agg.integrations.nemo_rl.plugin import check_config
 
-    assert check_config(_config({"mode": "prompt_mean"})) == NemoRLObjective("prompt_mean")
+    assert check_config(_config({"mode": "prompt_mean"})) == NemoRLSettings(HostObjective("prompt_mean"))
     with pytest.raises(NemoRLConfigError, match="loss_fn.pg_agg='prompt_mean' is not a block"):
         check_config(_config("prompt_mean"))
     bad = _config({"mode": "prompt_mean"}, data_plane={"enabled": True},
@@ -78,7 +80,7 @@ def test_start_up_refusals_name_nemo_rls_keys():
     """The data plane, a non-Megatron policy, grpo.seq_logprob_error_threshold (the survivor
     denominator) and, for prompt_mean, a step size that cuts a group: each refused naming the key; the
     default GRPO shape is accepted."""
-    prompt = NemoRLObjective("prompt_mean")
+    prompt = HostObjective("prompt_mean")
     assert config_problems(_config(), prompt) == []
     problems = config_problems(_config(data_plane={"enabled": True},
                                        policy={"train_global_batch_size": 6, "megatron_cfg": {"enabled": False}},
@@ -89,7 +91,7 @@ def test_start_up_refusals_name_nemo_rls_keys():
     assert "loss_fn.pg_agg.seq_logprob_error_threshold=1.5 instead" in problems[2]
     assert "policy.train_global_batch_size=6" in problems[3] and "grpo.num_generations_per_prompt=4" in problems[3]
     assert config_problems(_config(policy={"train_global_batch_size": 6, "megatron_cfg": {"enabled": True}}),
-                           NemoRLObjective("seq_mean")) == []
+                           HostObjective("seq_mean")) == []
 
 
 def _two_rows():
@@ -110,7 +112,7 @@ def test_the_advantage_scale_by_hand(mode, token_level, sequence_level):
     """Both rows in one group; constant with L = 8. Catches G, S, W or M_i read from the wrong place,
     or a scale written outside the row's valid tokens (column 0, holes, the sample_mask-0 row)."""
     token_mask, sample_mask = _two_rows()
-    objective = NemoRLObjective(mode, 8.0 if mode == "constant" else None)
+    objective = HostObjective(mode, 8.0 if mode == "constant" else None)
     for sequence, want in ((False, token_level), (True, sequence_level)):
         fields = step_fields(token_mask, sample_mask, gbs=3, objective=objective, sequence_level=sequence,
                              groups=["p", "p", "q"])
@@ -129,7 +131,7 @@ def test_groups_are_prompts_and_a_group_cut_across_steps_is_refused():
     mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.float32)
     groups = prompt_groups(ids, mask)
     assert groups[0] == groups[1] == groups[3] != groups[2]
-    objective = NemoRLObjective("prompt_mean")
+    objective = HostObjective("prompt_mean")
     cut = r"train_global_batch_size=2 rows in order\) cut group of rows \[0, 1, 3\] \(3 rows\) over steps \[0, 1\]"
     with pytest.raises(NemoRLBatchError, match=cut):
         step_fields(mask, torch.ones(4), gbs=2, objective=objective, sequence_level=False, groups=groups)
@@ -153,7 +155,7 @@ def test_the_cut_group_message_names_rows_not_prompt_tokens():
     mask[:, prompt_len:] = 1.0
     groups = prompt_groups(ids, mask)
     with pytest.raises(NemoRLBatchError) as refused:
-        step_fields(mask, torch.ones(rows), gbs=2, objective=NemoRLObjective("prompt_mean"), sequence_level=False,
+        step_fields(mask, torch.ones(rows), gbs=2, objective=HostObjective("prompt_mean"), sequence_level=False,
                     groups=groups)
     message = str(refused.value)
     assert "policy.train_global_batch_size=2" in message and "group of rows [0, 1, 2] (3 rows)" in message
@@ -181,9 +183,9 @@ def test_a_masked_first_response_token_does_not_split_a_group():
     ids, mask, gen = _multi_turn(first_masked=[1, 4])
     groups = prompt_groups(ids, mask, gen)
     assert groups[0] == groups[1] == groups[2] == (1, 2, 3) and groups[3] == groups[4] == groups[5] == (1, 2, 4)
-    fields = step_fields(mask, torch.ones(6), gbs=6, objective=NemoRLObjective("prompt_mean"), sequence_level=False,
+    fields = step_fields(mask, torch.ones(6), gbs=6, objective=HostObjective("prompt_mean"), sequence_level=False,
                          groups=groups)
-    split = step_fields(mask, torch.ones(6), gbs=6, objective=NemoRLObjective("prompt_mean"), sequence_level=False,
+    split = step_fields(mask, torch.ones(6), gbs=6, objective=HostObjective("prompt_mean"), sequence_level=False,
                         groups=[0, 1, 0, 2, 3, 2])
     assert not torch.equal(fields[ADVANTAGE_SCALE], split[ADVANTAGE_SCALE])  # the grouping matters here
 
@@ -191,7 +193,7 @@ def test_a_masked_first_response_token_does_not_split_a_group():
 def test_nemo_rls_prompt_index_names_the_groups_where_the_batch_carries_it():
     """A batch carrying NeMo-RL's prompt index (``idx``, with ``task_name``) is grouped by it, not by
     tokens: two data sets numbering their prompts alike stay apart; without it, the tokens."""
-    from megatron_pg_agg.integrations.nemo_rl_weights import PROMPT_ID, batch_prompt_groups
+    from megatron_pg_agg.integrations.nemo_rl.weights import PROMPT_ID, batch_prompt_groups
 
     ids, mask, gen = _multi_turn(first_masked=[])
     data = {"input_ids": ids, "token_mask": mask, "generation_logprobs": gen}
@@ -222,14 +224,14 @@ def test_prompts_the_tokens_cannot_tell_apart_are_refused():
 def test_a_sample_mask_between_0_and_1_is_refused():
     token_mask, _ = _two_rows()
     with pytest.raises(NemoRLBatchError, match="sample_mask must hold 0 or 1"):
-        step_fields(token_mask, torch.tensor([1.0, 0.5, 1.0]), gbs=3, objective=NemoRLObjective("token_mean"),
+        step_fields(token_mask, torch.tensor([1.0, 0.5, 1.0]), gbs=3, objective=HostObjective("token_mean"),
                     sequence_level=False)
 
 
 def test_the_nll_scale_is_the_steps_count_of_correct_tokens():
     """VAPO's NLL: G / C on the valid tokens of rows rewarded > 0 (C = 3 of G = 4 here), 0 elsewhere."""
     token_mask, sample_mask = _two_rows()
-    fields = step_fields(token_mask, sample_mask, gbs=3, objective=NemoRLObjective("seq_mean"), sequence_level=False,
+    fields = step_fields(token_mask, sample_mask, gbs=3, objective=HostObjective("seq_mean"), sequence_level=False,
                          rewards=torch.tensor([1.0, 0.0, 1.0]))
     assert fields[NLL_SCALE][0, 2:].tolist() == pytest.approx([4 / 3] * 3)
     assert float(fields[NLL_SCALE][1:].abs().sum()) == 0.0
@@ -262,8 +264,8 @@ def test_use_pg_agg_swaps_the_loss_and_weights_only_its_own_batches(nemo):
     options, and makes this policy's train add the fields over every step of gbs rows, only for the
     plug-in's loss (NeMo-RL's own loss, e.g. an SFT warm-up, passes through unchanged); a loss other
     than ClippedPGLossFn is refused."""
-    from megatron_pg_agg.integrations.nemo_rl_loss import PGAggLossFn
-    from megatron_pg_agg.integrations.nemo_rl_plugin import use_pg_agg
+    from megatron_pg_agg.integrations.nemo_rl.loss import PGAggLossFn
+    from megatron_pg_agg.integrations.nemo_rl.plugin import use_pg_agg
 
     own = nemo.loss(nemo.config(ratio_clip_c=3.0, token_level_loss=False, positive_example_nll_weight=0.2))
     policy = _Policy()
@@ -273,7 +275,7 @@ def test_use_pg_agg_swaps_the_loss_and_weights_only_its_own_batches(nemo):
                       policy, own)
     assert isinstance(loss, PGAggLossFn) and loss.inner is not own and loss.inner.ratio_clip_c == 3.0
     assert loss.sequence_level and loss.nll_weight == 0.2 and own.positive_example_nll_weight == 0.2
-    assert pickle.loads(pickle.dumps(loss)).objective == loss.objective
+    assert pickle.loads(pickle.dumps(loss)).settings == loss.settings
     batch = random_batch(random.Random(3), groups=4, group_size=3)
     data = nemo.data({k: v for k, v in batch.items() if k != "group_of_row"})
     policy.train(data, loss, gbs=6)
@@ -293,8 +295,8 @@ def test_the_launcher_swaps_the_loss_in_setups_result(nemo):
     from nemo_rl.algorithms.grpo import MasterConfig
     from nemo_rl.models.policy.lm_policy import Policy
 
-    from megatron_pg_agg.integrations.nemo_rl_launch import load_run_grpo, swap_loss
-    from megatron_pg_agg.integrations.nemo_rl_loss import PGAggLossFn
+    from megatron_pg_agg.integrations.nemo_rl.launch import load_run_grpo, swap_loss
+    from megatron_pg_agg.integrations.nemo_rl.loss import PGAggLossFn
 
     policy = object.__new__(Policy)
     policy.cfg = {"train_global_batch_size": 8}
@@ -328,7 +330,7 @@ def test_the_launcher_refuses_before_nemo_rl_starts_anything(nemo, monkeypatch, 
     the same checks before NeMo-RL's setup is called."""
     import ray
 
-    from megatron_pg_agg.integrations.nemo_rl_launch import checked_setup, load_run_grpo, wrap_run_grpo
+    from megatron_pg_agg.integrations.nemo_rl.launch import checked_setup, load_run_grpo, wrap_run_grpo
 
     checkout = require_nemo_rl()
     run_grpo = load_run_grpo(checkout)

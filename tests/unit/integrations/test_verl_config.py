@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_pg_agg.integrations.verl_config import (
+from megatron_pg_agg.integrations.verl.config import (
     ACTOR,
     BLOCK,
     VerlConfigError,
@@ -168,7 +168,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.utils.config import omega_conf_to_dataclass
 import verl.utils.config
-from megatron_pg_agg.integrations.verl_plugin import worker_loss
+from megatron_pg_agg.integrations.verl.worker_losses import worker_loss
 assert applied_patches() == ["verl_engine"], applied_patches()
 for fn in (MegatronEngine.forward_backward_batch, ActorRolloutRefWorker.init_model, TrainingWorker.set_loss_fn,
            verl.utils.config.validate_config):
@@ -204,7 +204,7 @@ def test_mini_batch_problems_name_the_field():
     from tensordict import TensorDict
 
     from megatron_pg_agg.core.losses import PGLossConfig
-    from megatron_pg_agg.integrations.verl_loss import VerlBatchError, VerlPGLoss
+    from megatron_pg_agg.integrations.verl.loss import VerlBatchError, VerlPGLoss
 
     def mini_batch(**extra):
         return TensorDict({"response_mask": torch.ones(2, 3), "old_log_probs": torch.zeros(2, 3), **extra},

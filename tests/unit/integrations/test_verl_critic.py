@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_pg_agg.integrations.verl_config import (
+from megatron_pg_agg.integrations.verl.config import (
     ACTOR,
     CRITIC,
     VerlConfigError,
@@ -145,7 +145,7 @@ def test_start_up_refusals_name_the_keys():
 
 
 def _verl():
-    from megatron_pg_agg.integrations.verl_config import verl_install_problem
+    from megatron_pg_agg.integrations.verl.config import verl_install_problem
 
     require(verl_install_problem(), REQUIRE_VERL)
 
@@ -240,7 +240,7 @@ def test_critic_loss_on_verl_split_equals_the_float64_formulas(mode):
     one before it, the clip around R or V, a missing 0.5, or a group pooled in one micro-batch."""
     _verl()
     from megatron_pg_agg.core.value import ValueLossConfig
-    from megatron_pg_agg.integrations.verl_loss import VerlValueLoss
+    from megatron_pg_agg.integrations.verl.loss import VerlValueLoss
 
     rows = critic_rows()
     want = reference(rows, mode, MODES[mode])
@@ -302,7 +302,7 @@ def test_the_critic_worker_set_loss_fn_seam():
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss, value_loss
 
-    from megatron_pg_agg.integrations.verl_loss import VerlValueLoss
+    from megatron_pg_agg.integrations.verl.loss import VerlValueLoss
 
     assert getattr(TrainingWorker.set_loss_fn, MAGIC_ATTR)["dispatch_mode"].name == "ONE_TO_ALL"
     assert TrainingWorker.set_loss_fn._megatron_pg_agg_patch == "verl_engine"
@@ -382,8 +382,8 @@ def test_verl_start_up_settles_the_critic_mode(tmp_path):
     from tests.unit.integrations.test_verl_config import doc_overrides
 
     model = str(tmp_path / "qwen3")  # verl's config reads the model's folder; the project's tiny one, no download
-    subprocess.run([sys.executable, "-m", "megatron_pg_agg.integrations.tiny_hf", "--family", "qwen3", "--seed", "3",
-                    model], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "megatron_pg_agg.integrations.bridge.tiny_hf", "--family", "qwen3",
+                    "--seed", "3", model], check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
     env["MODEL"] = model
     runs = {"docs": doc_overrides(), "critic_line": doc_critic_overrides(),

@@ -1,6 +1,7 @@
-"""The split of patches/: every patch in patches/cpu is a CPU-only stand-in (it refuses to apply where CUDA is
-available), and no patch at the top of patches/ is one (its precondition does not look at CUDA), so a reader can
-tell at a glance which modules can change a run on a GPU."""
+"""The split of every patch folder: every patch in a ``cpu`` folder (``patches/cpu``, ``integrations/<host>/cpu``) is a
+CPU-only stand-in (it refuses to apply where CUDA is available), and no patch outside one (the top of patches/, a
+host's own patch such as verl's engine patch) is one (its precondition does not look at CUDA), so a reader can tell
+at a glance which modules can change a run on a GPU."""
 from __future__ import annotations
 
 import importlib
@@ -9,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_pg_agg import patches
+from megatron_pg_agg import integrations, patches
 from megatron_pg_agg.patches._machinery import Patch
 
 FOLDER = Path(patches.__file__).parent
+INTEGRATIONS = Path(integrations.__file__).parent
 CUDA_REFUSAL = "torch.cuda.is_available()"
 """What every CPU stand-in's refusal names (the project's wording: cpu_gloo's precondition)."""
 
@@ -27,8 +29,19 @@ def _own_patches(module_name: str) -> list:
     return [(name, value) for name, value in vars(module).items() if isinstance(value, Patch)]
 
 
-CPU_MODULES = _modules("megatron_pg_agg.patches.cpu", FOLDER / "cpu")
-TOP_MODULES = _modules("megatron_pg_agg.patches", FOLDER)
+def _host_modules(cpu: bool) -> list:
+    """The modules of every host folder of integrations/: those of its ``cpu`` folder, or its own patches of the
+    host's code (``*_patch.py``; the plug-ins themselves import their host at the top)."""
+    found = []
+    for path in sorted(INTEGRATIONS.glob("*/**/*.py")):
+        parts = path.relative_to(INTEGRATIONS).with_suffix("").parts
+        if ("cpu" in parts) == cpu and (cpu or path.stem.endswith("_patch")):
+            found.append(".".join(("megatron_pg_agg.integrations", *(p for p in parts if p != "__init__"))))
+    return found
+
+
+CPU_MODULES = _modules("megatron_pg_agg.patches.cpu", FOLDER / "cpu") + _host_modules(cpu=True)
+TOP_MODULES = _modules("megatron_pg_agg.patches", FOLDER) + _host_modules(cpu=False)
 CPU_PATCHES = [pytest.param(patch, id=f"{module}.{name}")
                for module in CPU_MODULES for name, patch in _own_patches(module)]
 TOP_PATCHES = [pytest.param(patch, id=f"{module}.{name}")
@@ -45,10 +58,13 @@ def _outcome(precondition) -> str:
 
 
 def test_every_patch_of_the_registry_is_checked_below():
-    """``apply_megatron_patches``' patches are each defined in patches/ or patches/cpu (checked below)."""
+    """``apply_megatron_patches``' patches are each defined in patches/ or patches/cpu (checked below), and the
+    walk reaches the hosts' folders: their stand-ins and their own patches are checked too."""
     checked = [p.values[0] for p in CPU_PATCHES + TOP_PATCHES]
     assert all(any(patch is c for c in checked) for patch in patches.PATCHES.values())
-    assert {p.values[0].name for p in CPU_PATCHES} >= {"cpu_gloo", "megatron_lm_cpu", "areal_engine_cpu"}
+    assert {p.values[0].name for p in CPU_PATCHES} >= {"cpu_gloo", "megatron_lm_cpu", "areal_engine_cpu", "bridge_cpu",
+                                                     "nemo_rl_cuda_iterator"}
+    assert {p.values[0].name for p in TOP_PATCHES} >= {"moe_aux_loss", "verl_engine", "areal_actor"}
 
 
 @pytest.mark.parametrize("patch", CPU_PATCHES)
