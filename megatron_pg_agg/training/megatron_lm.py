@@ -47,6 +47,7 @@ from megatron_pg_agg.data.planner import policy_loss_notes
 from megatron_pg_agg.megatron import upstream_bugs
 from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp_loss
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
+from megatron_pg_agg.patches.cpu import optimizer_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
 from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
@@ -390,7 +391,8 @@ def run(argv: list) -> int:
     if problems:
         raise StartupError(problems)
     # Megatron's --bf16 and --use-distributed-optimizer on CPU: the optimizers' CUDA type strings
-    apply_megatron_patches(cpu_gloo=False, optimizer_cpu=not cuda and (args.bf16 or args.use_distributed_optimizer))
+    apply_megatron_patches(cpu_gloo=False, optimizer_cpu=optimizer_cpu.needed(
+        cuda=cuda, bf16=args.bf16, distributed_optimizer=args.use_distributed_optimizer))
     if args.num_experts:  # routers' aux/z losses keep Megatron's strength under every mode
         apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
     if args.mtp_num_layers:  # the MTP loss is a token mean over the step's valid tokens in every mode

@@ -55,6 +55,7 @@ from megatron_pg_agg.megatron.moe import router_loss_values
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, shutdown_distributed
 from megatron_pg_agg.megatron.step import StepGroups, StepResult, run_pg_step
 from megatron_pg_agg.patches import apply_megatron_patches
+from megatron_pg_agg.patches.cpu import optimizer_cpu
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import MetricsLog, new_run_id, run_start_record
@@ -182,7 +183,8 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None, *, data: Optional[str] =
     # strings they sort parameters by); a GPU runs them unpatched
     apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled,
                            mtp_loss=cfg.model.mtp_num_layers is not None,
-                           optimizer_cpu=not cuda and (cfg.model.bf16 or par.use_distributed_optimizer))
+                           optimizer_cpu=optimizer_cpu.needed(cuda=cuda, bf16=cfg.model.bf16,
+                                                              distributed_optimizer=par.use_distributed_optimizer))
     init_distributed(backend=backend, timeout_s=par.distributed_timeout_minutes * 60)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -120,6 +120,10 @@ KNOWN_NOISE: tuple[KnownNoise, ...] = (
                logger="transformers.configuration_utils"),
     KnownNoise(r"`torch\.jit\.script` is deprecated", "torch 2.14 on megatron-core's (and Bridge's) import-time "
                "jit decorators; they still compile", category=FutureWarning),
+    KnownNoise(r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+               "torch 2.13 and 2.14 on the names megatron-core's distributed optimizer reduce-scatters its gradients "
+               "and gathers its parameters with (once per process, at the first step); they run unchanged",
+               category=FutureWarning),
 )
 """Every start-up message the entry points silence (per release, by message; nothing else)."""
 

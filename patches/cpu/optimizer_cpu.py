@@ -63,6 +63,13 @@ class _CpuFloatingTypesReadAsCuda(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def needed(*, cuda: bool, bf16: bool, distributed_optimizer: bool) -> bool:
+    """Whether a run needs this stand-in (what every entry asks before applying it): a CPU run with
+    megatron-core's mixed-precision (``--bf16``) or distributed optimizer; plain fp32 torch Adam sorts
+    no parameter by type, and a GPU run uses megatron-core's own code."""
+    return not cuda and (bf16 or distributed_optimizer)
+
+
 def _cpu_only() -> None:
     if torch.cuda.is_available():
         raise RuntimeError(f"patch {NAME!r} is a CPU-only stand-in for megatron-core's mixed-precision and "

@@ -27,6 +27,11 @@ def test_only_the_known_messages_of_this_release_are_silenced(capsys):
         # the same message in another category
         warnings.warn("Apex is not installed. Falling back to Torch Norm", DeprecationWarning, stacklevel=1)
         warnings.warn("something else entirely", UserWarning, stacklevel=1)
+        # torch's, at the distributed optimizer's first reduce-scatter and all-gather (silenced on every release)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+                      "`torch.distributed.reduce_scatter_single` instead.", FutureWarning, stacklevel=1)
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                      "`torch.distributed.all_gather_single` instead.", FutureWarning, stacklevel=1)
     assert [(w.category, str(w.message)) for w in seen] == [
         (DeprecationWarning, "Apex is not installed. Falling back to Torch Norm"),
         (UserWarning, "something else entirely")]

@@ -301,3 +301,14 @@ def test_interleaved_schedule_refuses_variable_seq_lengths():
             forward_step_func=None, data_iterator=None, model=[stub], num_microbatches=2,
             seq_length=8, micro_batch_size=1,
         )
+
+
+def test_the_optimizer_stand_in_is_needed_only_on_cpu_with_a_mixed_precision_or_distributed_optimizer():
+    """What the trainer and both Megatron-LM entries ask before applying optimizer_cpu: a GPU never takes it,
+    and a CPU run of plain fp32 torch Adam (which sorts no parameter by CUDA type) does not need it."""
+    from megatron_pg_agg.patches.cpu import optimizer_cpu
+
+    table = {(cuda, bf16, dist): optimizer_cpu.needed(cuda=cuda, bf16=bf16, distributed_optimizer=dist)
+             for cuda in (False, True) for bf16 in (False, True) for dist in (False, True)}
+    assert [key for key, needed in table.items() if needed] == [(False, False, True), (False, True, False),
+                                                                 (False, True, True)]
