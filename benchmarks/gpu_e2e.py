@@ -11,7 +11,7 @@ goes, so a check stopped half-way keeps what it measured. Every run uses ``--bf1
 --use-distributed-optimizer --overlap-grad-reduce`` (NCCL on the GPU, gloo on CPU) and the local
 spec (``--transformer-impl local``: no Transformer Engine on the GPU machine, see below).
 
-a. The trainer (``megatron_pg_agg.training.cli.main``, launch/train_actor.py's ``main``) on one rollout
+a. The trainer (``megatron_pg_agg.online.cli.main``, launch/train_actor.py's ``main``) on one rollout
    file, every mode, one step cut three ways (``--num-microbatches 1``, ``--num-microbatches 3``,
    ``--max-tokens-per-microbatch N``): the objective and gradient norm of each run from its metrics
    JSONL, their spread over the splits, and beside them the control: Megatron's default averaging
@@ -242,7 +242,7 @@ def fresh_rendezvous() -> None:
 
 def trainer_run(argv: list, metrics: str) -> dict:
     """One trainer run through its command line's ``main`` (exit status, the first step's record)."""
-    from megatron_pg_agg.training.cli import main
+    from megatron_pg_agg.online.cli import main
     from megatron_pg_agg.training.metrics import read_runs
 
     fresh_rendezvous()

@@ -9,7 +9,7 @@ Flags: ``python launch/train_actor.py --help``. The loop lives in megatron_pg_ag
 """
 import sys
 
-from megatron_pg_agg.training.cli import main
+from megatron_pg_agg.online.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

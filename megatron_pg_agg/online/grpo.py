@@ -35,13 +35,13 @@ from megatron.core import parallel_state
 
 from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.data.plan_ahead import PlanAhead
+from megatron_pg_agg.data.reach import EOS, ReachTask
 from megatron_pg_agg.data.rollouts import Rollout, RolloutBatch
 from megatron_pg_agg.integrations.step_weights import gather_over_dp
 from megatron_pg_agg.megatron.logprob_pass import planned_logprobs
 from megatron_pg_agg.megatron.model import gather_parameters
 from megatron_pg_agg.training.trainer import RunState, Session, _iteration_planner, new_optimizer, train_step
 
-from .reach import EOS, ReachTask
 from .sampler import sample_responses
 
 __all__ = ["GrpoConfig", "OnlineRun", "group_advantages", "step_batch"]

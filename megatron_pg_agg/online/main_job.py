@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import time
 
+from megatron_pg_agg.data.reach import ReachTask
 from megatron_pg_agg.training.run_config import RunConfig
 from megatron_pg_agg.training.trainer import run_iterations, setup
 
 from .grpo import GrpoConfig, OnlineRun
-from .reach import ReachTask
 
 __all__ = ["grpo_config", "start_line", "train_online"]
 

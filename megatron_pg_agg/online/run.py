@@ -18,13 +18,13 @@ from megatron_pg_agg.data.output_folder import (
     output_folder_problem,
     replace_output_folder,
 )
+from megatron_pg_agg.data.reach import ReachTask
 from megatron_pg_agg.training.run_config import RunConfig, StartupError, parse_flags
 from megatron_pg_agg.training.trainer import setup
 from megatron_pg_agg.training.worker_process import release_process_group
 
 from .comparison import OUTPUT_KIND, elapsed, remove_own_temp, trainer_flags, write_outputs, write_record
 from .grpo import GrpoConfig, OnlineRun
-from .reach import ReachTask
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,14 @@
-"""The trainer's command line (``launch/train_actor.py``): parse, run, and map each way a run ends
-to its exit status (0 done, 2 refused at start-up, 3 stopped on a non-finite step). Under torchrun
-the shell sees torchrun's own status (1) and its ChildFailedError report after the project's line."""
+"""The trainer's command line: parse, run, and map each way a run ends to its exit status (0 done,
+2 refused at start-up, 3 stopped on a non-finite step). Under torchrun the shell sees torchrun's own
+status (1) and its ChildFailedError report after the project's line. The main job's command
+(``launch/train_actor.py``) is :mod:`megatron_pg_agg.online.cli`, which hands this one the online
+job for runs without ``--rollouts``."""
 from __future__ import annotations
 
 import logging
 import os
 import time
+from typing import Callable, Optional
 
 from .logs import ALL_RANKS, current_rank, setup_logging
 from .run_config import RunConfig, StartupError, parse_flags
@@ -14,7 +17,10 @@ from .worker_process import keep_freed_memory, quiet_startup_noise, release_proc
 logger = logging.getLogger(__name__)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, online_job: Optional[Callable[[RunConfig], dict]] = None) -> int:
+    """Run the trainer on ``argv``'s flags. A run without ``--rollouts`` runs ``online_job`` (the main
+    job's, passed by :mod:`megatron_pg_agg.online.cli`; called after megatron-core's start-up noise is
+    quieted); without one it is refused at start-up (exit 2)."""
     keep_freed_memory()
     setup_logging("[train]")
     quiet_startup_noise(verbose=verbose_requested(argv), outside_info=True)
@@ -27,10 +33,11 @@ def main(argv=None) -> int:
         cfg = RunConfig.from_args(namespace)
         if cfg.online is None:
             train(cfg)
-        else:  # no --rollouts: the main job, online GRPO through the trainer (it imports the trainer)
-            from megatron_pg_agg.online.main_job import train_online  # noqa: PLC0415
-
-            train_online(cfg)
+        elif online_job is None:
+            raise StartupError("no --rollouts: the online main job runs through launch/train_actor.py "
+                               "(megatron_pg_agg.online.cli.main); this command line trains on --rollouts FILE")
+        else:
+            online_job(cfg)
     except StartupError as err:
         # every rank reaches the same refusal (the checks read the same flags, files and gathered
         # names), so rank 0 alone prints it; every rank exits 2

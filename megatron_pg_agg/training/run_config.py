@@ -24,8 +24,8 @@ from typing import Optional
 from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.data.output_folder import HF_KIND, output_folder_problem
 from megatron_pg_agg.data.planner import PlanConfig
+from megatron_pg_agg.data.reach import ReachTask
 from megatron_pg_agg.megatron.layout import ParallelSizes
-from megatron_pg_agg.online.reach import ReachTask
 from megatron_pg_agg.patches import mtp_loss
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version, release_problem
 

@@ -8,10 +8,10 @@ exists) are :mod:`megatron_pg_agg.training.run_config`: the flags are parsed onc
 
 Offline (``--rollouts``), one iteration = one optimizer step = one rollout step (``step`` in the
 JSONL). Iteration ``i`` trains on rollout step ``i mod (number of steps)``: the data position is
-the iteration counter, saved with every checkpoint. Online (no ``--rollouts``: the command line,
-:mod:`.cli`, hands the job to :mod:`megatron_pg_agg.online.main_job`), one iteration = one batch sampled from the live
-policy and ``--updates-per-batch`` optimizer steps on it (:func:`train_step` with ``advance``
-False but for the last), in the same loop (:func:`run_iterations`).
+the iteration counter, saved with every checkpoint. Online (no ``--rollouts``: the main job's
+command line, :mod:`megatron_pg_agg.online.cli`, hands the job to :mod:`megatron_pg_agg.online.main_job`),
+one iteration = one batch sampled from the live policy and ``--updates-per-batch`` optimizer steps on
+it (:func:`train_step` with ``advance`` False but for the last), in the same loop (:func:`run_iterations`).
 
 Each step is planned when its iteration comes (nothing is kept from one step to the next). With
 ``--pg-plan-ahead`` (the default) iteration ``i + 1``'s plan is built on a background host thread
@@ -445,8 +445,8 @@ def close(s: Session, record: dict) -> dict:
 def train(cfg: RunConfig) -> dict:
     """Run the whole job on the run's rollouts: setup, steps, close. Returns rank 0's last metrics
     record (empty dict elsewhere). A run without rollouts (``cfg.online``) is the online main job,
-    :func:`megatron_pg_agg.online.main_job.train_online` (the command line chooses: ``training.cli``),
-    which runs through :func:`run_iterations` too."""
+    :func:`megatron_pg_agg.online.main_job.train_online` (chosen by the main job's command line,
+    :mod:`megatron_pg_agg.online.cli`), which runs through :func:`run_iterations` too."""
     if cfg.online is not None:
         raise ValueError("a RunConfig without rollouts (cfg.online) is the online main job: run it with "
                          "megatron_pg_agg.online.main_job.train_online, not trainer.train")

@@ -126,7 +126,7 @@ def test_a_non_finite_loss_stops_the_run_before_any_update_with_status_3(tmp_pat
 
 # trainer.main in a child process, then whether it left its process group alive (a live gloo
 # group at exit can abort the process in the group's destructor, turning status 3 into -6)
-_MAIN_THEN_GROUP = ("import sys, torch.distributed as d; from megatron_pg_agg.training.cli import main; "
+_MAIN_THEN_GROUP = ("import sys, torch.distributed as d; from megatron_pg_agg.online.cli import main; "
                     "rc = main(sys.argv[1:]); print('process group alive after main:', d.is_initialized()); "
                     "sys.exit(rc)")
 

@@ -1,9 +1,11 @@
-"""The package's layers import downward only: core <- data <- patches <- megatron <- training <- integrations.
+"""The package's layers import downward only: core <- data <- patches <- megatron <- training <- integrations <- online.
 A lower layer that imports a higher one (even inside a function) makes the higher layer's optional
 stack a dependency of the lower one; the trainer reaches Megatron-Bridge through the model-source
 seam (training/model_source.py) instead. ``patches`` (the top-level ``patches/`` folder, shipped as
 ``megatron_pg_agg.patches``) holds Megatron's patches and the machinery only: the hosts' patches and
 stand-ins live in ``integrations/<host>/``, so importing megatron/ or training/ loads no host module.
+``online`` (online GRPO, the main job's command line) sits on top: the trainer takes the online job as
+an argument of its command line, and the reach task is data (``data/reach.py``).
 The package root (``megatron_pg_agg/__init__.py``, the public API) imports core and training, so no
 layer below integrations imports a name from it (its version lives in ``megatron_pg_agg/versions.py``,
 which they may import)."""
@@ -14,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_pg_agg"
-ORDER = ["core", "data", "patches", "megatron", "training", "integrations"]
+ORDER = ["core", "data", "patches", "megatron", "training", "integrations", "online"]
 BELOW_THE_ROOT = ["core", "data", "patches", "megatron", "training"]
 FOLDERS = {layer: ROOT / "patches" if layer == "patches" else PACKAGE / layer for layer in ORDER}
 """Each layer's folder on disk (setup.py's package_dir ships ``patches/`` as ``megatron_pg_agg.patches``)."""

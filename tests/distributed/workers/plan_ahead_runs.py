@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from megatron_pg_agg.data.rollout_files import RolloutFormatError
+from megatron_pg_agg.online.cli import main
 from megatron_pg_agg.training import trainer
-from megatron_pg_agg.training.cli import main
 from tests.distributed.workers.trainer_runs import _fresh_rendezvous
 from tests.support.batch_runs import announce, exit_status, run_environment, serve
 

@@ -16,8 +16,8 @@ from datetime import timedelta
 
 import torch
 
+from megatron_pg_agg.online.cli import main
 from megatron_pg_agg.training import trainer
-from megatron_pg_agg.training.cli import main
 from tests.support.batch_runs import announce, exit_status, run_environment, serve
 from tests.support.whole_grads import whole_named_grads, whole_named_params
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from megatron_pg_agg.data.reach import BOS, EOS, ReachTask
 from megatron_pg_agg.online.comparison import VARIANTS, summary_rows, trainer_flags
 from megatron_pg_agg.online.grpo import GrpoConfig, group_advantages, response_stats, step_batch
-from megatron_pg_agg.online.reach import BOS, EOS, ReachTask
 
 TASK = ReachTask()
 
