@@ -100,7 +100,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, optimizer_cpu: bool = False
               "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
               "megatron_rl_cpu": megatron_rl_cpu}
-    return [name for name, patch in PATCHES.items() if wanted[name] and _machinery.apply(patch)]
+    return _machinery.apply_in_order(patch for name, patch in PATCHES.items() if wanted[name])
 
 
 def revert_megatron_patches() -> list[str]:

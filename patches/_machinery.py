@@ -32,7 +32,7 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from packaging.specifiers import SpecifierSet
 
@@ -305,6 +305,13 @@ def apply(patch: Patch) -> bool:
         installed.append(_Installed(owner, leaf, current, replacement))
     _APPLIED[patch.name] = installed
     return True
+
+
+def apply_in_order(patches: Iterable[Patch]) -> list[str]:
+    """Apply ``patches`` one after the other (:func:`apply`); return the names this call applied
+    (already applied: skipped). The first refusal raises ``RuntimeError`` with that patch untouched
+    and the ones before it applied."""
+    return [patch.name for patch in patches if apply(patch)]
 
 
 def revert(patch: Patch | str) -> bool:

@@ -7,46 +7,12 @@ module of ``megatron_pg_agg/`` and of ``patches/`` (shipped as ``megatron_pg_agg
 text, so it sees every import, whatever stack is installed."""
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-TREES = {"megatron_pg_agg": ROOT / "megatron_pg_agg", "megatron_pg_agg.patches": ROOT / "patches"}
-"""Dotted package -> the folder it is shipped from (setup.py's package_dir)."""
+from tests.support.package_imports import MODULES, imports
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the package by its dotted name (a package by its ``__init__.py``)."""
-    found = {}
-    for package, folder in TREES.items():
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join((package, *parts))] = path
-    return found
-
-
-MODULES = _modules()
-
-
-def _imported(module: str, path: Path) -> set[str]:
-    """The package's modules ``module`` imports anywhere in its text. ``from P import n`` is an
-    import of ``P.n`` where that is a module, else of ``P`` (a name its ``__init__`` defines)."""
-    is_package = path.name == "__init__.py"
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = module.split(".")[: len(module.split(".")) - node.level + is_package]
-                base = ".".join((*parts, *([base] if base else [])))
-            for alias in node.names:
-                inner = f"{base}.{alias.name}"
-                names.add(inner if inner in MODULES else base)
-    return {name for name in names if name in MODULES and name != module}
+def _imported(module: str) -> set[str]:
+    """The package's own modules ``module`` imports (itself left out)."""
+    return {name for name in imports(MODULES[module]) if name in MODULES and name != module}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -84,17 +50,14 @@ def test_the_walk_sees_function_level_imports_and_the_shipped_patches():
     """The walk is not vacuous: it knows the patches folder under its shipped name, resolves relative
     imports there, and reads imports made inside a function (the HF opener applies Megatron-Bridge's
     CPU stand-ins in one; the main job's command line loads the online job in one)."""
-    def imported(module):
-        return _imported(module, MODULES[module])
-
-    assert "megatron_pg_agg.patches._machinery" in imported("megatron_pg_agg.patches.cpu.cpu_gloo")
-    assert "megatron_pg_agg.integrations.bridge.cpu" in imported("megatron_pg_agg.integrations.bridge.hf_model")
-    assert "megatron_pg_agg.online.main_job" in imported("megatron_pg_agg.online.cli")
+    assert "megatron_pg_agg.patches._machinery" in _imported("megatron_pg_agg.patches.cpu.cpu_gloo")
+    assert "megatron_pg_agg.integrations.bridge.cpu" in _imported("megatron_pg_agg.integrations.bridge.hf_model")
+    assert "megatron_pg_agg.online.main_job" in _imported("megatron_pg_agg.online.cli")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_module_imports_itself_back_through_another():
-    graph = {module: _imported(module, path) for module, path in MODULES.items()}
+    graph = {module: _imported(module) for module in MODULES}
     cycles = _cycles(graph)
     described = ["; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles]
     assert not cycles, "\n".join(described)

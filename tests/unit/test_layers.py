@@ -9,12 +9,11 @@ an argument of its command line, and the reach task is data (``data/reach.py``).
 The package root (``megatron_pg_agg/__init__.py``, the public API) imports core and training, so no
 layer below integrations imports a name from it (its version lives in ``megatron_pg_agg/versions.py``,
 which they may import)."""
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.package_imports import ROOT, imports
+
 PACKAGE = ROOT / "megatron_pg_agg"
 ORDER = ["core", "data", "patches", "megatron", "training", "integrations", "online"]
 BELOW_THE_ROOT = ["core", "data", "patches", "megatron", "training"]
@@ -23,46 +22,11 @@ FOLDERS = {layer: ROOT / "patches" if layer == "patches" else PACKAGE / layer fo
 HOSTS = ["areal", "verl", "slime", "nemo_rl", "bridge"]
 
 
-def _dotted(path: Path) -> tuple:
-    """The shipped dotted name of the module at ``path``, as parts."""
-    for layer, folder in FOLDERS.items():
-        if path.is_relative_to(folder):
-            return ("megatron_pg_agg", layer, *path.relative_to(folder).with_suffix("").parts)
-    return path.relative_to(ROOT).with_suffix("").parts
-
-
-def _is_submodule(dotted: str) -> bool:
-    """Whether ``dotted`` (``megatron_pg_agg.x.y``) is a module or package of the package on disk."""
-    parts = dotted.split(".")
-    folder = FOLDERS.get(parts[1]) if len(parts) > 1 and parts[0] == "megatron_pg_agg" else None
-    path = folder.joinpath(*parts[2:]) if folder else ROOT.joinpath(*parts)
-    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
-
-
-def _imports(path: Path) -> set:
-    """Every module ``path`` imports, at its top or inside a function; ``from P import name`` counts
-    as an import of ``P.name`` where that is a module, else of ``P`` itself (a package root's name)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the module's package
-                base = _dotted(path)[:-node.level]
-                module = ".".join((*base, *(node.module.split(".") if node.module else ())))
-            else:
-                module = node.module
-            for alias in node.names:
-                inner = f"{module}.{alias.name}"
-                names.add(inner if _is_submodule(inner) else module)
-        elif isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-    return names
-
-
 def test_the_walk_resolves_the_shipped_patches_folder():
     """``patches/cpu/cpu_gloo.py``'s ``from .._machinery import ...`` is megatron_pg_agg.patches._machinery:
     without the folder map it would resolve to no module and every import of patches/ would pass unseen."""
-    assert "megatron_pg_agg.patches._machinery" in _imports(ROOT / "patches" / "cpu" / "cpu_gloo.py")
-    assert "megatron_pg_agg.versions" in _imports(ROOT / "patches" / "_machinery.py")
+    assert "megatron_pg_agg.patches._machinery" in imports(ROOT / "patches" / "cpu" / "cpu_gloo.py")
+    assert "megatron_pg_agg.versions" in imports(ROOT / "patches" / "_machinery.py")
 
 
 def test_no_layer_imports_a_higher_one():
@@ -70,7 +34,7 @@ def test_no_layer_imports_a_higher_one():
     for rank, layer in enumerate(ORDER):
         higher = [f"megatron_pg_agg.{name}" for name in ORDER[rank + 1:]]
         for path in sorted(FOLDERS[layer].rglob("*.py")):
-            for name in _imports(path):
+            for name in imports(path):
                 if any(name == h or name.startswith(h + ".") for h in higher):
                     wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, wrong
@@ -82,7 +46,7 @@ def test_no_layer_below_the_root_imports_the_package_root():
     wrong = []
     for layer in BELOW_THE_ROOT:
         for path in sorted(FOLDERS[layer].rglob("*.py")):
-            if "megatron_pg_agg" in _imports(path):
+            if "megatron_pg_agg" in imports(path):
                 wrong.append(f"{path.relative_to(ROOT)} imports the package root megatron_pg_agg")
     assert not wrong, wrong
 

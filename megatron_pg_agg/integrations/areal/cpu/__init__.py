@@ -34,6 +34,5 @@ PATCHES = (cpu_gloo.PATCH, megatron_engine.PATCH, mbridge_pins.PATCH, mbridge_la
 
 
 def apply_areal_cpu_patches() -> list[str]:
-    """Apply every patch of :data:`PATCHES`; return the names this call applied (already applied:
-    skipped). Raises ``RuntimeError`` (with that patch untouched) where one refuses."""
-    return [patch.name for patch in PATCHES if _machinery.apply(patch)]
+    """Apply every patch of :data:`PATCHES` (:func:`~megatron_pg_agg.patches._machinery.apply_in_order`)."""
+    return _machinery.apply_in_order(PATCHES)

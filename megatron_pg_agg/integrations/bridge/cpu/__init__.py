@@ -17,7 +17,5 @@ from megatron_pg_agg.patches.cpu import cpu_gloo
 
 def apply_bridge_cpu_patches(*, loop: bool = False) -> list[str]:
     """Apply ``cpu_gloo`` and Megatron-Bridge's import stand-in, and with ``loop`` the training
-    loop's; return the names this call applied (already applied: skipped). Raises ``RuntimeError``
-    (with that patch untouched) where one refuses."""
-    wanted = (cpu_gloo.PATCH, lora_layers.PATCH, *((training_loop.PATCH,) if loop else ()))
-    return [patch.name for patch in wanted if _machinery.apply(patch)]
+    loop's, in that order (:func:`~megatron_pg_agg.patches._machinery.apply_in_order`)."""
+    return _machinery.apply_in_order((cpu_gloo.PATCH, lora_layers.PATCH, *((training_loop.PATCH,) if loop else ())))
