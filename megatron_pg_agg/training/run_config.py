@@ -31,6 +31,7 @@ from megatron_pg_agg.versions import in_range, installed_megatron_core_version, 
 
 from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
 from .model_source import ModelSourceError, open_model_source
+from .resume import resume_problems
 
 __all__ = [
     "CheckpointConfig",
@@ -197,7 +198,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--save", default=None, help="checkpoint directory (default: none)")
     train.add_argument("--save-interval", type=int, default=None,
                        help="iterations between checkpoints (default: the final one only)")
-    train.add_argument("--load", default=None, help="resume from this checkpoint directory (default: none)")
+    train.add_argument("--load", default=None, help="resume from this checkpoint directory (default: none; "
+                                                    "docs/trainer.md, Resume: what may change)")
+    train.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="with --load: train with --lr/--weight-decay/--clip-grad where they differ from the "
+                            "checkpoint's (Megatron-LM's flag; without it or the next one a difference is refused)")
+    train.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                       help="with --load: keep the checkpoint's --lr/--weight-decay/--clip-grad (Megatron-LM's flag)")
     train.add_argument("--metrics-file", default=None,
                        help="per-iteration metrics JSONL (default: <save>/metrics.jsonl, else "
                             "runs/train_actor/metrics.jsonl)")
@@ -539,7 +546,13 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Iterations between checkpoints (``--save-interval``); None: only the final one."""
     load: Optional[str] = None
-    """Resume from this checkpoint directory (``--load``); None: start from the initial weights."""
+    """Resume from this checkpoint directory (``--load``); None: start from the initial weights.
+    What may change between the runs: :mod:`megatron_pg_agg.training.resume`."""
+    override_opt_param_scheduler: bool = False
+    """``--override-opt_param-scheduler``: a resume trains with the flags' optimizer settings where
+    they differ from the checkpoint's (Megatron-LM's rule)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """``--use-checkpoint-opt_param-scheduler``: a resume keeps the checkpoint's optimizer settings."""
     save_hf: Optional[str] = None
     """HF folder written at the end of the run (``--save-hf``; an ``--hf-model`` run), atomically."""
     save_hf_interval: Optional[int] = None
@@ -634,7 +647,9 @@ class RunConfig:
                                     train_iters=ns.train_iters, seed=ns.seed,
                                     skip_nonfinite_steps=ns.pg_skip_nonfinite_steps),
             checkpoint=CheckpointConfig(save=ns.save, save_interval=ns.save_interval, load=ns.load,
-                                        save_hf=ns.save_hf, save_hf_interval=ns.save_hf_interval),
+                                        save_hf=ns.save_hf, save_hf_interval=ns.save_hf_interval,
+                                        override_opt_param_scheduler=ns.override_opt_param_scheduler,
+                                        use_checkpoint_opt_param_scheduler=ns.use_checkpoint_opt_param_scheduler),
             logging=LoggingConfig(
                 metrics_file=ns.metrics_file or os.path.join(ns.save or DEFAULT_RUN_DIR, "metrics.jsonl"),
                 tensorboard_dir=ns.tensorboard_dir, log_interval=ns.log_interval,
@@ -746,6 +761,7 @@ class RunConfig:
             problems.append("--train-iters must be >= 1")
         if ckpt.load and not os.path.isdir(ckpt.load):
             problems.append(f"--load {ckpt.load}: no such directory")
+        problems.extend(resume_problems(self, world_size))
         if self.data.rollouts and not os.path.isfile(self.data.rollouts):
             problems.append(f"--rollouts {self.data.rollouts}: no such file")
         problems.extend(self.online_problems(world_size))

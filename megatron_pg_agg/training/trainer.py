@@ -60,6 +60,7 @@ from megatron_pg_agg.patches.cpu import optimizer_cpu
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import MetricsLog, new_run_id, run_start_record
 from .model_source import ModelSourceError, open_model_source
+from .resume import run_record, with_checkpoint_settings
 from .rollout_steps import load_steps
 from .run_config import RunConfig, StartupError
 from .worker_process import die_with_launcher
@@ -170,7 +171,8 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None, *, data: Optional[str] =
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world, backend=backend, te=te_usable())
+    cfg.validate(world, backend=backend, te=te_usable())  # a resume's checks too (training.resume)
+    cfg = with_checkpoint_settings(cfg)  # --use-checkpoint-opt_param-scheduler: the checkpoint's lr, ...
     plan_cfg = cfg.plan_config(world)
     if steps is None:
         steps = load_steps(cfg.data, cfg.loss, vocab_size=cfg.model.vocab_size, seed=cfg.training.seed)
@@ -423,11 +425,11 @@ def close(s: Session, record: dict) -> dict:
 
     ckpt, state = s.cfg.checkpoint, s.state
     s.plans.close()
-    if ckpt.save and not ckpt.interval_save_due(state.iteration):
-        _save(s)
-    if ckpt.save_hf and not ckpt.interval_save_hf_due(state.iteration):
-        _save_hf(s)
     gather_parameters(s.model)  # --overlap-param-gather: the last step's shards, before reading them
+    if ckpt.save and not ckpt.interval_save_due(state.iteration):
+        _save(s, gathered=True)
+    if ckpt.save_hf and not ckpt.interval_save_hf_due(state.iteration):
+        _save_hf(s, gathered=True)
     checksum = _param_checksum(s.model)
     if s.rank == 0:
         record["param_checksum"] = checksum
@@ -475,16 +477,20 @@ def run_iterations(s: Session, iteration: Callable[[], dict]) -> dict:
     return close(s, record)
 
 
-def _save(s: Session) -> None:
-    """This iteration's checkpoint under ``--save`` (with the skipped-step count)."""
-    gather_parameters(s.model)
+def _save(s: Session, *, gathered: bool = False) -> None:
+    """This iteration's checkpoint under ``--save`` (with the skipped-step count and the run record
+    a resume is checked against); ``gathered``: the parameters are current already."""
+    if not gathered:
+        gather_parameters(s.model)
     save_checkpoint(s.cfg.checkpoint.save, s.state.iteration, s.model, s.optimizer, s.rank,
-                    {"skipped": s.state.skipped, "run_id": s.state.run_id})
+                    {"skipped": s.state.skipped, "run_id": s.state.run_id},
+                    record=run_record(s.cfg, dist.get_world_size()))
 
 
-def _save_hf(s: Session) -> None:
+def _save_hf(s: Session, *, gathered: bool = False) -> None:
     """The live model as an HF folder under ``--save-hf`` (every rank exports; rank 0 writes)."""
     t0 = time.perf_counter()
-    gather_parameters(s.model)
+    if not gathered:
+        gather_parameters(s.model)
     out = open_model_source("hf", s.cfg.model.hf_model).save(s.model, s.cfg.checkpoint.save_hf, rank=s.rank)
     logger.info(f"iteration {s.state.iteration}: wrote the HF folder {out} ({time.perf_counter() - t0:.1f} s)")

@@ -166,7 +166,7 @@ def split_by_run(out: str) -> dict:
     for line in out.splitlines():
         if line.startswith("[runs] "):
             name = line[len("[runs] "):]
-            parts[name] = []
+            parts.setdefault(name, [])  # every rank prints the marker: a later rank's keeps what came before
         elif name is not None:
             parts[name].append(line)
     return {k: "\n".join(v) for k, v in parts.items()}
