@@ -8,6 +8,15 @@ import torch
 
 from megatron_pg_agg.patches import moe_aux_loss, mtp_loss
 
+TORCH_FSDP2_REASON = (
+    "megatron-core's torch-FSDP2 wrapper (TorchFullyShardedDataParallel, 0.15-0.19) does not scale "
+    "gradients (it inherits _BaseDataParallel.scale_gradients, a no-op) while FSDP2 itself averages over "
+    "DP x CP, so with calculate_per_token_loss finalize_model_grads' division by the step's token count W is "
+    "lost and the gradient comes out W/(DP*CP) times too large; use megatron-core's DDP, optionally with the "
+    "distributed optimizer")
+"""Why torch FSDP2 (``use_torch_fsdp2``) is refused wherever a user can turn it on with this project's
+loss (the Megatron-LM entries, Megatron-Bridge, the host plug-ins); each caller names its own key."""
+
 
 class MegatronConfigError(ValueError):
     """A Megatron configuration under which the objective would silently be wrong."""

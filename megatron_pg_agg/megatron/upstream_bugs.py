@@ -15,6 +15,9 @@ the configuration value that enables them, before any model is built:
 - finding 12: Megatron-FSDP (``use_megatron_fsdp``): a checkpoint saved at one PP size loads the
   wrong layers at another, silently (strict load succeeds).
 
+Not in #7452 but of the same kind: torch FSDP2 (``use_torch_fsdp2``), whose wrapper never scales the
+gradients by the step's token count (:data:`~megatron_pg_agg.megatron.config_checks.TORCH_FSDP2_REASON`).
+
 One function, :func:`known_bug_problems`, takes the values by name, so each entry (Megatron-LM's
 raw command line, a Bridge ``ConfigContainer``) passes what it holds and names the setting its own way.
 """
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_pg_agg.megatron.config_checks import TORCH_FSDP2_REASON
+
 ISSUE = "Megatron-LM #7452"
 
 
 def known_bug_problems(*, softmax_type: Optional[str], tensor_model_parallel_size: int,
                        experimental_attention_variant: Optional[str], use_megatron_fsdp: bool,
-                       names: dict) -> list:
+                       use_torch_fsdp2: bool, names: dict) -> list:
     """One message per setting that meets a known silent bug; empty when none does. ``names``
     maps each keyword above to how the caller's user spells it (``"--softmax-type"``,
     ``"cfg.model.softmax_type"``)."""
@@ -49,12 +54,14 @@ def known_bug_problems(*, softmax_type: Optional[str], tensor_model_parallel_siz
             f"{names['use_megatron_fsdp']}: a Megatron-FSDP checkpoint saved at one pipeline size loads the wrong "
             f"layers at another without an error ({ISSUE}, finding 12), and the per-token loss contract is verified "
             "with megatron-core's DDP only. Use the default DDP (optionally --use-distributed-optimizer).")
+    if use_torch_fsdp2:
+        problems.append(f"{names['use_torch_fsdp2']}: {TORCH_FSDP2_REASON}.")
     return problems
 
 
 MEGATRON_LM_NAMES = {"softmax_type": "--softmax-type", "tensor_model_parallel_size": "--tensor-model-parallel-size",
                      "experimental_attention_variant": "--experimental-attention-variant",
-                     "use_megatron_fsdp": "--use-megatron-fsdp"}
+                     "use_megatron_fsdp": "--use-megatron-fsdp", "use_torch_fsdp2": "--use-torch-fsdp2"}
 """How Megatron-LM's command line names each setting."""
 
 
@@ -66,7 +73,8 @@ def bridge_recipe_problems(cfg) -> list:
         tensor_model_parallel_size=getattr(model, "tensor_model_parallel_size", 1) or 1,
         experimental_attention_variant=getattr(model, "experimental_attention_variant", None),
         use_megatron_fsdp=bool(getattr(cfg.ddp, "use_megatron_fsdp", False)),
-        names={"softmax_type": "cfg.model.softmax_type",
+        use_torch_fsdp2=bool(getattr(cfg.dist, "use_torch_fsdp2", False)),
+        names={"use_torch_fsdp2": "cfg.dist.use_torch_fsdp2", "softmax_type": "cfg.model.softmax_type",
                "tensor_model_parallel_size": "cfg.model.tensor_model_parallel_size",
                "experimental_attention_variant": "cfg.model.experimental_attention_variant",
                "use_megatron_fsdp": "cfg.ddp.use_megatron_fsdp"})

@@ -480,7 +480,8 @@ def argv_problems(argv: list) -> list:
         softmax_type=_flag_value(argv, "--softmax-type"),
         tensor_model_parallel_size=int(tp) if tp.isdigit() else 1,  # not a number: Megatron-LM's parser says so
         experimental_attention_variant=_flag_value(argv, "--experimental-attention-variant"),
-        use_megatron_fsdp="--use-megatron-fsdp" in argv, names=upstream_bugs.MEGATRON_LM_NAMES))
+        use_megatron_fsdp="--use-megatron-fsdp" in argv, use_torch_fsdp2="--use-torch-fsdp2" in argv,
+        names=upstream_bugs.MEGATRON_LM_NAMES))
     return problems
 
 

@@ -24,7 +24,7 @@ def _recipe(**changes):
                               experimental_attention_variant=None),
         train=SimpleNamespace(micro_batch_size=1),
         ddp=SimpleNamespace(average_in_collective=False, use_megatron_fsdp=False),
-        validation=SimpleNamespace(eval_iters=0), dist=SimpleNamespace(distributed_backend="gloo"))
+        validation=SimpleNamespace(eval_iters=0), dist=SimpleNamespace(distributed_backend="gloo", use_torch_fsdp2=False))
     for path, value in changes.items():
         owner, name = path.split("__")
         setattr(getattr(cfg, owner), name, value)
@@ -50,6 +50,7 @@ def test_a_pg_recipe_passes():
     ({"model__experimental_attention_variant": "gated_delta_net"},
      ["cfg.model.experimental_attention_variant gated_delta_net", "finding 11"]),
     ({"ddp__use_megatron_fsdp": True}, ["cfg.ddp.use_megatron_fsdp", "finding 12"]),
+    ({"dist__use_torch_fsdp2": True}, ["cfg.dist.use_torch_fsdp2:", "scale_gradients", "W/(DP*CP) times too large"]),
 ])
 def test_each_problem_is_named(changes, words):
     problems = pg_recipe_problems(_recipe(**changes))

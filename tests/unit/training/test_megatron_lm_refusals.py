@@ -102,6 +102,7 @@ def test_mtp_with_learned_positions_is_refused_before_megatron_lm_parses():
     (["--experimental-attention-variant", "gated_delta_net"],
      ["--experimental-attention-variant gated_delta_net", "#7452", "finding 11"]),
     (["--use-megatron-fsdp"], ["--use-megatron-fsdp", "#7452", "finding 12"]),
+    (["--use-torch-fsdp2"], ["--use-torch-fsdp2:", "scale_gradients", "W/(DP*CP) times too large"]),
 ])
 def test_megatron_cores_known_silent_bugs_are_refused_from_the_raw_flags(argv, needles):
     """Megatron-LM #7452's findings our paths can meet (docs/failure-modes.md), refused before
