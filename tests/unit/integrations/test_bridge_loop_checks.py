@@ -24,7 +24,8 @@ def _recipe(**changes):
                               experimental_attention_variant=None),
         train=SimpleNamespace(micro_batch_size=1),
         ddp=SimpleNamespace(average_in_collective=False, use_megatron_fsdp=False),
-        validation=SimpleNamespace(eval_iters=0), dist=SimpleNamespace(distributed_backend="gloo", use_torch_fsdp2=False))
+        validation=SimpleNamespace(eval_iters=0),
+        dist=SimpleNamespace(distributed_backend="gloo", use_torch_fsdp2=False))
     for path, value in changes.items():
         owner, name = path.split("__")
         setattr(getattr(cfg, owner), name, value)
