@@ -40,7 +40,9 @@ BRIDGE = ["transformers>=5.8,<=5.12.1", "omegaconf", "einops", "safetensors", "n
 # docs/verl.md), on top of the bridge extra (verl builds its model through Megatron-Bridge).
 # transformers: verl 0.9.1 asks for <5.11, Megatron-Bridge 0.6.2 for >=5.8.
 VERL = ["transformers>=5.8,<5.11", "tensordict==0.10.0", "hydra-core>=1.3.4,<1.4", "codetiming", "ray>=2.41",
-        "peft>=0.18.1", "accelerate", "psutil", "pillow"]
+        "peft>=0.18.1", "accelerate", "psutil", "pillow",
+        # verl's v0 trainer module (the plug-in patches its _balance_batch: prompt groups whole per step)
+        "torchdata", "cachetools"]
 
 # the AReaL plug-in (megatron_pg_agg.integrations.areal.plugin): what AReaL 1.0.4's Megatron actor imports,
 # installed after `pip install --no-deps areal==1.0.4 mbridge==0.15.1` (its full set is 80+ packages with

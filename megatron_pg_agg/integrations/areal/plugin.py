@@ -150,6 +150,7 @@ def config_problems(actor_config, settings: ArealSettings, *, prompts_per_step: 
     needs at least one group per optimizer step, and each step enough sequences for its
     micro-batches)."""
     problems = _step_problems(actor_config, "actor", prompts_per_step, dp_size, samples_per_prompt, pp_size)
+    problems += _wrapper_problems(actor_config, "actor")
     if settings.group_baseline is not None:
         varying = [f"actor.{key}={getattr(actor_config, key)}" for key, constant in REWARD_KEYS_CONSTANT_IN_RESPONSE
                    if getattr(actor_config, key, constant) != constant]
@@ -181,6 +182,7 @@ def critic_config_problems(critic_config, settings: ArealSettings, *, prompts_pe
     ``critic.backend`` (AReaL 1.0.4's critic hands its loss a CP shard of the values beside whole
     sequences: docs/areal.md)."""
     problems = _step_problems(critic_config, "critic", prompts_per_step, dp_size, samples_per_prompt, pp_size)
+    problems += _wrapper_problems(critic_config, "critic")
     if not getattr(critic_config, "is_critic", True):
         problems.append("critic.is_critic=False: AReaL's critic needs its value head (critic.is_critic=true)")
     eps = getattr(critic_config, "eps_clip", None)
@@ -200,6 +202,28 @@ def critic_config_problems(critic_config, settings: ArealSettings, *, prompts_pe
         problems.append(f"critic.megatron.bridge_type={critic_config.megatron.bridge_type}: AReaL 1.0.4 puts the "
                         "value head in after megatron-core's DDP is built, outside its gradient buffers; the plug-in "
                         "puts it in before DDP through mbridge (AReaL's default bridge_type=mbridge) only")
+    return problems
+
+
+def _wrapper_problems(config, role: str) -> list:
+    """megatron-core's FSDP wrappers through AReaL's ``<role>.megatron`` (mbridge's ``get_model``): the
+    plug-in's objective is verified under megatron-core's DDP only (AReaL 1.0.4 marks both switches
+    "pending test"). Megatron-FSDP is refused as on every entry (Megatron-LM #7452 finding 12); torch
+    FSDP2's wrapper does not scale gradients (:data:`~megatron_pg_agg.megatron.config_checks.
+    TORCH_FSDP2_REASON`). AReaL runs without ``calculate_per_token_loss``, where FSDP2's own average
+    over DP x CP stands in for DDP's 1/(DP x CP), so that lost division does not arise here by
+    reading; the wrapper is refused as unverified."""
+    megatron = getattr(config, "megatron", None)
+    problems = []
+    if getattr(megatron, "use_torch_fsdp2", False):
+        from megatron_pg_agg.megatron.config_checks import TORCH_FSDP2_REASON  # noqa: PLC0415
+
+        problems.append(f"{role}.megatron.use_torch_fsdp2=True: the plug-in's objective is verified with "
+                        f"megatron-core's DDP only (AReaL 1.0.4 marks the switch 'pending test'); {TORCH_FSDP2_REASON}")
+    if getattr(megatron, "use_custom_fsdp", False):
+        problems.append(f"{role}.megatron.use_custom_fsdp=True: a Megatron-FSDP checkpoint saved at one pipeline size "
+                        "loads the wrong layers at another without an error (Megatron-LM #7452, finding 12), and the "
+                        "plug-in's objective is verified with megatron-core's DDP only; leave it False")
     return problems
 
 

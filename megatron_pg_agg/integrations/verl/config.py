@@ -204,18 +204,36 @@ def engine_problems(worker_config: Any) -> list:
     verl passes a router padding mask to the model, and megatron-core 0.16 to 0.19's
     ``get_tokens_per_expert_and_token_count`` then all-reduces the local token count in place,
     multiplying the MoE aux-loss gradient by the TP x CP group size (fix PR #7481, open). A
-    dense model, or the default ``dynamic_context_parallel: false`` (no mask), is exact."""
+    dense model, or the default ``dynamic_context_parallel: false`` (no mask), is exact. And
+    Megatron-FSDP (:func:`megatron_fsdp_problems`), refused as on every entry."""
     actor = _get(worker_config, "actor")
     megatron = _get(actor, "megatron")
+    problems = megatron_fsdp_problems(ACTOR, actor)
     if not _get(megatron, "dynamic_context_parallel", False):
-        return []
+        return problems
     experts = _routed_experts(_get(_get(worker_config, "model"), "path"))
     if experts == 0:
-        return []
+        return problems
     model = "a MoE model" if experts else "a model whose config.json cannot be read here (MoE unknown)"
-    return [f"{ACTOR}.megatron.dynamic_context_parallel=True with {model}: verl passes a router padding mask, "
-            "and megatron-core 0.16-0.19 then multiply the MoE aux-loss gradient by the TP x CP size "
-            "(Megatron-LM #7452, finding 10; fix PR #7481). Set it to False (or train a dense model)"]
+    return problems + [
+        f"{ACTOR}.megatron.dynamic_context_parallel=True with {model}: verl passes a router padding mask, "
+        "and megatron-core 0.16-0.19 then multiply the MoE aux-loss gradient by the TP x CP size "
+        "(Megatron-LM #7452, finding 10; fix PR #7481). Set it to False (or train a dense model)"]
+
+
+def megatron_fsdp_problems(key: str, node: Any) -> list:
+    """verl's ``<key>.megatron.use_megatron_fsdp`` (its engine wraps the model in Megatron-FSDP):
+    refused as on the Megatron-LM and Megatron-Bridge entries (Megatron-LM #7452 finding 12, and the
+    per-token loss contract is verified with megatron-core's DDP only). verl has no switch that
+    reaches torch FSDP2: its engine never passes ``use_torch_fsdp2`` to Megatron-Bridge's
+    ``provide_distributed_model``, and megatron-core's DDP config (``override_ddp_config``) has no
+    such field."""
+    if not _get(_get(node, "megatron"), "use_megatron_fsdp", False):
+        return []
+    return [f"{key}.megatron.use_megatron_fsdp=True: a Megatron-FSDP checkpoint saved at one pipeline size loads the "
+            "wrong layers at another without an error (Megatron-LM #7452, finding 12), and the per-token loss "
+            "contract is verified with megatron-core's DDP only; set it to False (megatron-core's DDP, optionally "
+            f"{key}.megatron.use_distributed_optimizer=True)"]
 
 
 # ------------------------------------------------------------------------------------------ the critic
@@ -234,7 +252,7 @@ def _set(node: Any, key: str, value) -> None:
 def _strategy_problem(critic: Any, agg: str) -> list:
     strategy = _get(critic, "strategy", "megatron")
     if strategy == "megatron":
-        return []
+        return megatron_fsdp_problems(CRITIC, critic)
     return [f"{CRITIC}.strategy={strategy!r}: the plug-in's critic ({CRITIC}.loss_agg_mode={agg!r}) runs in verl's "
             "Megatron engine (strategy megatron); a verl loss_agg_mode keeps verl's critic"]
 

@@ -24,6 +24,9 @@ HOW (wrappers only, never a copy of an upstream function)
       configuration is checked first (a wrong one fails before any model is built, naming its
       verl keys), the original runs, and the worker's loss is then set through verl's own
       ``set_loss_fn``. With any other loss_mode the original runs alone.
+    * ``TrainingWorker.train_mini_batch`` (the actor's and the critic's steps over one rollout): under a
+      prompt_mean loss of the plug-in, :func:`~megatron_pg_agg.integrations.verl.groups.check_worker_steps`
+      first refuses steps that would cut a prompt group (whatever driver built the batch); then the original.
     * ``TrainingWorker.set_loss_fn``: verl's ``partial(value_loss, config=CriticConfig)`` whose
       ``critic.loss_agg_mode`` names one of the plug-in's modes becomes a ``VerlValueLoss`` (a
       critic engine other than Megatron is refused); any other loss is set unchanged.
@@ -31,13 +34,22 @@ HOW (wrappers only, never a copy of an upstream function)
       the driver): with a critic, :func:`~megatron_pg_agg.integrations.verl.config.critic_for_run`
       first (the actor on the plug-in puts the critic on it, by default in the policy's mode; a
       critic it cannot make exact is refused naming ``critic.*`` keys), then the original.
-      Callers bind it by name after ``import verl``, which loads the plug-in first.
+      Callers bind it by name after ``import verl``, which loads the plug-in first. Then what would
+      cut a prompt_mean group across optimizer steps is refused, naming its keys
+      (:func:`~megatron_pg_agg.integrations.verl.groups.group_problems`), and a run with a
+      prompt_mean term gets :data:`TRAINER_PATCH` (below) in that process.
+    * ``RayPPOTrainer._balance_batch`` (verl's v0 trainer, ``trainer.balance_batch``;
+      :data:`TRAINER_PATCH`, applied by the start-up check above, in the processes that validate a
+      prompt_mean run: verl's driver and its TaskRunner, which builds the trainer, never the
+      workers): :func:`~megatron_pg_agg.integrations.verl.groups.balance_whole_groups` reorders the
+      rollout in its place so that every optimizer step holds whole groups; otherwise the original.
 
 TARGETS (verl 0.9.x; megatron-core 0.19, the release verl 0.9.1 was tested with here)
     ``verl.workers.engine.megatron.transformer_impl.MegatronEngine.forward_backward_batch``,
     ``verl.workers.engine_workers.ActorRolloutRefWorker.init_model``,
-    ``verl.workers.engine_workers.TrainingWorker.set_loss_fn`` (verl's ``@register`` attributes
-    kept: the wrapper copies the original's ``__dict__``), ``verl.utils.config.validate_config``.
+    ``verl.workers.engine_workers.TrainingWorker.set_loss_fn`` and ``.train_mini_batch`` (verl's
+    ``@register`` attributes kept: the wrapper copies the original's ``__dict__``),
+    ``verl.utils.config.validate_config``, ``verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch``.
     Any device.
 """
 from __future__ import annotations
@@ -52,6 +64,7 @@ SUPPORTED_VERL = ">=0.9,<0.10"
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
 WORKERS = "verl.workers.engine_workers"
 CONFIG = "verl.utils.config"
+TRAINER = "verl.trainer.ppo.ray_trainer"
 
 
 def _require_verl() -> None:
@@ -102,19 +115,68 @@ def _make_set_loss_fn(original):
     return set_loss_fn
 
 
+def _make_train_mini_batch(original):
+    signature = inspect.signature(original)
+
+    def train_mini_batch(self, *args, **kwargs):
+        from megatron_pg_agg.integrations.verl.groups import check_worker_steps  # noqa: PLC0415
+
+        bound = signature.bind(self, *args, **kwargs)
+        check_worker_steps(self, bound.arguments["data"])
+        return original(*bound.args, **bound.kwargs)
+
+    return train_mini_batch
+
+
 def _make_validate_config(original):
     signature = inspect.signature(original)
 
     def validate_config(*args, **kwargs):
-        from megatron_pg_agg.integrations.verl.config import critic_for_run  # noqa: PLC0415
+        from megatron_pg_agg.integrations.verl.config import VerlConfigError, critic_for_run  # noqa: PLC0415
+        from megatron_pg_agg.integrations.verl.groups import group_problems, group_terms  # noqa: PLC0415
 
         bound = signature.bind(*args, **kwargs)
-        note = critic_for_run(bound.arguments["config"], bound.arguments["use_critic"])
+        config, use_critic = bound.arguments["config"], bound.arguments["use_critic"]
+        note = critic_for_run(config, use_critic)
         if note:
             print(f"[megatron_pg_agg] {note}", flush=True)
+        problems = group_problems(config, use_critic)
+        if problems:
+            raise VerlConfigError("megatron_pg_agg's verl plug-in cannot keep prompt groups whole:\n  - "
+                                  + "\n  - ".join(problems))
+        if group_terms(config, use_critic):
+            apply_trainer_patch()
         return original(*args, **kwargs)
 
     return validate_config
+
+
+def apply_trainer_patch() -> None:
+    """:data:`TRAINER_PATCH` in this process (idempotent); a trainer that cannot be patched is refused."""
+    from megatron_pg_agg.integrations.verl.config import VerlConfigError  # noqa: PLC0415
+    from megatron_pg_agg.patches import _machinery  # noqa: PLC0415
+
+    try:
+        _machinery.apply(TRAINER_PATCH)
+    except (ImportError, RuntimeError) as exc:
+        raise VerlConfigError(f"prompt_mean needs whole prompt groups in every optimizer step, and the plug-in could "
+                              f"not patch verl's trainer ({TRAINER}.RayPPOTrainer._balance_batch): {exc}") from exc
+
+
+def _make_balance_batch(original):
+    signature = inspect.signature(original)
+
+    def _balance_batch(self, *args, **kwargs):
+        from megatron_pg_agg.integrations.verl.groups import balance_whole_groups  # noqa: PLC0415
+
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if balance_whole_groups(self, bound.arguments["batch"], bound.arguments["metrics"],
+                                bound.arguments["logging_prefix"]):
+            return None
+        return original(*bound.args, **bound.kwargs)
+
+    return _balance_batch
 
 
 PATCH = Patch(
@@ -125,6 +187,18 @@ PATCH = Patch(
     targets=(Target(ENGINE, "MegatronEngine.forward_backward_batch", _make_forward_backward_batch),
              Target(WORKERS, "ActorRolloutRefWorker.init_model", _make_init_model),
              Target(WORKERS, "TrainingWorker.set_loss_fn", _make_set_loss_fn),
+             Target(WORKERS, "TrainingWorker.train_mini_batch", _make_train_mini_batch),
              Target(CONFIG, "validate_config", _make_validate_config)),
     unsupported_reason="verl 0.9.1 was tested here with megatron-core 0.19.2; install 0.19.x.",
 )
+
+TRAINER_PATCH = Patch(
+    name="verl_trainer_groups",
+    supported=SUPPORTED,
+    why=__doc__,
+    precondition=_require_verl,
+    targets=(Target(TRAINER, "RayPPOTrainer._balance_batch", _make_balance_batch),),
+    unsupported_reason="verl 0.9.1 was tested here with megatron-core 0.19.2; install 0.19.x.",
+)
+"""verl's v0 trainer balancing whole prompt groups: applied by the start-up check of a prompt_mean run only
+(verl's trainer module imports its rollout servers: never in the workers)."""

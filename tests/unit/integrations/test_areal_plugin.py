@@ -201,6 +201,24 @@ def test_start_up_refusals_name_the_areal_keys():
     assert "actor.m2_threshold with actor.prox_logp_method=loglinear" in config_problems(m2, settings)[0]
 
 
+def test_megatron_fsdp_wrappers_are_refused_naming_the_areal_keys():
+    """actor.megatron.use_torch_fsdp2 / use_custom_fsdp (AReaL's switches to megatron-core's torch
+    FSDP2 and Megatron-FSDP wrappers, passed to mbridge's get_model), and the critic's: each refused
+    naming its key; AReaL's defaults (both off) are not."""
+    settings = ArealSettings(HostObjective("token_mean"))
+    for role, check in (("actor", config_problems), ("critic", critic_config_problems)):
+        for key, expected in (("use_torch_fsdp2", "torch-FSDP2 wrapper"),
+                              ("use_custom_fsdp", "#7452, finding 12")):
+            megatron = SimpleNamespace(bridge_type="mbridge", use_torch_fsdp2=False, use_custom_fsdp=False)
+            setattr(megatron, key, True)
+            config = SimpleNamespace(ppo_n_minibatches=1, megatron=megatron)
+            (problem,) = check(config, settings)
+            assert problem.startswith(f"{role}.megatron.{key}=True: ") and expected in problem, problem
+        defaults = SimpleNamespace(ppo_n_minibatches=1, megatron=SimpleNamespace(
+            bridge_type="mbridge", use_torch_fsdp2=False, use_custom_fsdp=False))
+        assert check(defaults, settings) == []
+
+
 def test_a_group_baseline_with_advantages_varying_along_a_response_is_refused_at_start_up():
     """group_baseline under AReaL's default kl_ctl=0.1, a discount or a GAE lambda below 1: each
     refused naming the key and its value; kl_ctl=0, discount=gae_lambda=1 are accepted, and

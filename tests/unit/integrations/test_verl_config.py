@@ -123,6 +123,15 @@ def test_dynamic_cp_with_a_moe_model_is_refused_naming_the_key_and_the_upstream_
     assert engine_problems({"actor": ACTOR_DEFAULTS, "model": {"path": moe}}) == []  # verl's default: off
 
 
+def test_megatron_fsdp_is_refused_naming_the_key_as_on_every_entry():
+    """verl's actor.megatron.use_megatron_fsdp wraps the model in Megatron-FSDP, refused as on the
+    Megatron-LM and Bridge entries (Megatron-LM #7452 finding 12); the default (off) runs."""
+    fsdp = {"actor": {**ACTOR_DEFAULTS, "megatron": {"use_megatron_fsdp": True}}, "model": {}}
+    (problem,) = engine_problems(fsdp)
+    assert f"{ACTOR}.megatron.use_megatron_fsdp=True" in problem and "#7452, finding 12" in problem
+    assert engine_problems({"actor": {**ACTOR_DEFAULTS, "megatron": {"use_megatron_fsdp": False}}, "model": {}}) == []
+
+
 def test_install_problem_names_megatron_core_0_19(monkeypatch):
     import importlib.metadata
 
@@ -150,7 +159,8 @@ def test_the_docs_example_is_the_switch_to_prompt_mean():
     assert doc_overrides() == ["actor_rollout_ref.actor.policy_loss.loss_mode=pg_agg",
                                "+actor_rollout_ref.pg_agg.mode=prompt_mean",
                                "+actor_rollout_ref.pg_agg.policy_loss=ppo",
-                               "actor_rollout_ref.actor.clip_ratio_high=0.28"]
+                               "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                               "trainer.use_v1=False"]  # the v0 trainer: prompt groups whole per step
 
 
 @pytest.mark.optional_stack

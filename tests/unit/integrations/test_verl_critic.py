@@ -141,6 +141,16 @@ def test_start_up_refusals_name_the_keys():
     assert f"{ACTOR}.loss_scale_factor" in msg
 
 
+def test_a_megatron_fsdp_critic_is_refused_naming_its_key():
+    """critic.megatron.use_megatron_fsdp on the plug-in's critic: refused (Megatron-LM #7452 finding
+    12), at the worker's config and at verl's start-up; verl's own critic is not the plug-in's."""
+    fsdp = critic(loss_agg_mode="prompt_mean", megatron={"use_megatron_fsdp": True})
+    with pytest.raises(VerlConfigError, match=r"critic.megatron.use_megatron_fsdp=True: .*finding 12"):
+        value_config_from_critic(fsdp)
+    assert "critic.megatron.use_megatron_fsdp=True" in refused(run_config(critic_cfg=fsdp))
+    assert value_config_from_critic(critic(megatron={"use_megatron_fsdp": True})) is None
+
+
 # ------------------------------------------------------------------------------ with verl
 
 
@@ -337,7 +347,8 @@ def doc_critic_overrides() -> list:
 
 def test_the_docs_critic_example_is_one_critic_line_over_the_actor_lines():
     assert doc_critic_overrides() == ["actor_rollout_ref.actor.policy_loss.loss_mode=pg_agg",
-                                      "+actor_rollout_ref.pg_agg.mode=prompt_mean", "critic.loss_agg_mode=seq_mean"]
+                                      "+actor_rollout_ref.pg_agg.mode=prompt_mean", "critic.loss_agg_mode=seq_mean",
+                                      "trainer.use_v1=False"]
 
 
 START_UP = """
