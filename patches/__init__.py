@@ -26,6 +26,10 @@ Patches that can change a run (any device)
     ``megatron_rl`` (:mod:`.megatron_rl`), Megatron-LM core_v0.19.x: the RL loop's rollout and
     collection seams (the RL entry's replayed rollouts and planner), ``fp32_output`` dropped
     where ``GPTModel.forward`` lacks it, no hard exit when no inference engine ran.
+    ``rope_thd`` (:mod:`.rope_thd`), megatron-core 0.19.x: the unfused RoPE of packed (THD)
+    sequences in one shot, as 0.15 to 0.18 do, instead of 0.19's one autograd chain per sequence
+    (same values; every other case goes to upstream). The entries apply it where
+    :func:`.rope_thd.needed`.
     The machinery: :mod:`._machinery` (the :class:`Patch` mechanism), :mod:`._megatron_lm_release`
     (a Megatron-LM checkout's release), :mod:`._step_factor` (the per-step factors' shared pieces).
 
@@ -59,7 +63,7 @@ Usage::
 """
 from __future__ import annotations
 
-from . import _machinery, megatron_lm_log, megatron_rl, moe_aux_loss, mtp_loss
+from . import _machinery, megatron_lm_log, megatron_rl, moe_aux_loss, mtp_loss, rope_thd
 from ._machinery import Patch, Target, is_applied
 from .cpu import cpu_gloo, megatron_lm_cpu, megatron_rl_cpu, optimizer_cpu
 
@@ -82,6 +86,7 @@ PATCHES: dict[str, Patch] = {
     mtp_loss.NAME: mtp_loss.PATCH,
     megatron_rl.NAME: megatron_rl.PATCH,
     megatron_rl_cpu.NAME: megatron_rl_cpu.PATCH,
+    rope_thd.NAME: rope_thd.PATCH,
 }
 """Every known patch, by name, in application order."""
 
@@ -89,7 +94,7 @@ PATCHES: dict[str, Patch] = {
 def apply_megatron_patches(*, cpu_gloo: bool = True, optimizer_cpu: bool = False, megatron_lm_cpu: bool = False,
                            megatron_lm_log: bool = False, moe_aux_loss: bool = False,
                            mtp_loss: bool = False, megatron_rl: bool = False,
-                           megatron_rl_cpu: bool = False) -> list[str]:
+                           megatron_rl_cpu: bool = False, rope_thd: bool = False) -> list[str]:
     """Apply the selected patches; return the names applied by this call (already applied: no-op).
 
     Each patch checks the megatron-core version (and, for the Megatron-LM ones, the checkout's
@@ -99,7 +104,7 @@ def apply_megatron_patches(*, cpu_gloo: bool = True, optimizer_cpu: bool = False
     wanted = {"cpu_gloo": cpu_gloo, "optimizer_cpu": optimizer_cpu, "megatron_lm_cpu": megatron_lm_cpu,
               "megatron_lm_log": megatron_lm_log,
               "moe_aux_loss": moe_aux_loss, "mtp_loss": mtp_loss, "megatron_rl": megatron_rl,
-              "megatron_rl_cpu": megatron_rl_cpu}
+              "megatron_rl_cpu": megatron_rl_cpu, "rope_thd": rope_thd}
     return _machinery.apply_in_order(patch for name, patch in PATCHES.items() if wanted[name])
 
 

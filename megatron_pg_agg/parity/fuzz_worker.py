@@ -27,7 +27,7 @@ from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig
 from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
 from megatron_pg_agg.megatron.step import StepGroups
-from megatron_pg_agg.patches import apply_megatron_patches
+from megatron_pg_agg.patches import apply_megatron_patches, rope_thd
 
 from .fuzz import FuzzCase, fuzz_rollouts
 from .reference import mtp_reference, reference
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     faulthandler.dump_traceback_later(float(os.environ.get("PG_AGG_HANG_DUMP_S", "1500")), exit=True)
     with open(spec) as f:
         cases = [FuzzCase(**{k: v for k, v in d.items()}) for d in json.load(f)]
-    apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(),
+    apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(), rope_thd=rope_thd.needed(),
                            moe_aux_loss=any(c.parity_case.experts for c in cases),
                            mtp_loss=any(c.parity_case.mtp for c in cases))
     init_distributed()

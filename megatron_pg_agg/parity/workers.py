@@ -29,7 +29,7 @@ from megatron_pg_agg.megatron.layout import ParallelSizes
 from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, teardown_parallel
 from megatron_pg_agg.megatron.step import StepGroups, run_pg_step
-from megatron_pg_agg.patches import apply_megatron_patches
+from megatron_pg_agg.patches import apply_megatron_patches, rope_thd
 
 from .fixture import GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, VOCAB, ParityCase, loss_config, parity_rollouts
 from .models import build_case_model, full_named_tensors, load_full_state
@@ -225,7 +225,7 @@ def worker_main(argv=None) -> int:
     cases = [ParityCase(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
              for d in json.loads(args.cases_json)]
     # moe_aux_loss whenever a model has experts (router losses at Megatron's default strength)
-    apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(),
+    apply_megatron_patches(cpu_gloo=not torch.cuda.is_available(), rope_thd=rope_thd.needed(),
                            moe_aux_loss=any(case.experts for case in cases), mtp_loss=any(case.mtp for case in cases))
     init_distributed()
     if torch.cuda.is_available():

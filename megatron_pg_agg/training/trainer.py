@@ -54,7 +54,7 @@ from megatron_pg_agg.megatron.model import (
 from megatron_pg_agg.megatron.moe import router_loss_values
 from megatron_pg_agg.megatron.parallel import init_distributed, init_parallel, shutdown_distributed
 from megatron_pg_agg.megatron.step import StepGroups, StepResult, run_pg_step
-from megatron_pg_agg.patches import apply_megatron_patches
+from megatron_pg_agg.patches import apply_megatron_patches, rope_thd
 from megatron_pg_agg.patches.cpu import optimizer_cpu
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -183,7 +183,8 @@ def setup(cfg: RunConfig, steps: Optional[dict] = None, *, data: Optional[str] =
     # mtp_loss: the MTP loss is a token mean over the step's valid tokens (patches/mtp_loss.py)
     # optimizer_cpu: megatron-core's mixed-precision and distributed optimizers on CPU (the type
     # strings they sort parameters by); a GPU runs them unpatched
-    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled,
+    # rope_thd: 0.19's unfused packed RoPE in one shot instead of a loop over sequences (patches/rope_thd.py)
+    apply_megatron_patches(cpu_gloo=not cuda, moe_aux_loss=cfg.model.moe.enabled, rope_thd=rope_thd.needed(),
                            mtp_loss=cfg.model.mtp_num_layers is not None,
                            optimizer_cpu=optimizer_cpu.needed(cuda=cuda, bf16=cfg.model.bf16,
                                                               distributed_optimizer=par.use_distributed_optimizer))
