@@ -45,7 +45,7 @@ from megatron_pg_agg.core.losses import REPORT_KEYS, PGLossConfig
 from megatron_pg_agg.data.feed import RolloutFeed
 from megatron_pg_agg.data.planner import policy_loss_notes
 from megatron_pg_agg.megatron import upstream_bugs
-from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp_loss
+from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, mtp_loss, rope_thd
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.patches.cpu import optimizer_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
@@ -381,7 +381,9 @@ def run(argv: list) -> int:
     use_checkout(root)
 
     try:
-        apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True)
+        # rope_thd: 0.19's unfused packed RoPE in one shot (patches/rope_thd.py)
+        apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True,
+                               rope_thd=rope_thd.needed())
         release = check_checkout()
     except (UnsupportedMegatronLM, RuntimeError) as err:
         raise StartupError(str(err)) from err

@@ -40,7 +40,7 @@ import torch
 
 from megatron_pg_agg.core.losses import PGLossConfig
 from megatron_pg_agg.data.feed import PlannedMicrobatch
-from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, megatron_rl
+from megatron_pg_agg.patches import apply_megatron_patches, megatron_lm_log, megatron_rl, rope_thd
 from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, check_checkout
 from megatron_pg_agg.patches.cpu import optimizer_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
@@ -367,7 +367,7 @@ def run(argv: list) -> int:
         raise StartupError(f"megatron-core {core}: {megatron_rl.UNSUPPORTED_REASON}.")
     try:
         apply_megatron_patches(cpu_gloo=not cuda, megatron_lm_cpu=not cuda, megatron_lm_log=True,
-                               megatron_rl=True, megatron_rl_cpu=not cuda)
+                               megatron_rl=True, megatron_rl_cpu=not cuda, rope_thd=rope_thd.needed())
         release = check_checkout()
     except (UnsupportedMegatronLM, RuntimeError) as err:
         raise StartupError(str(err)) from err

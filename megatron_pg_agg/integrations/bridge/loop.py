@@ -117,10 +117,11 @@ def use_pg_loss(cfg, loss_cfg: PGLossConfig, *, rollouts: Optional[str] = None, 
         raise StartupError(problems)
     DatasetProvider, Callback = bridge_classes()
     moe = bool(getattr(cfg.model, "num_moe_experts", None))
-    if moe:  # the routers' aux/z losses keep Megatron's strength under every mode (patches/moe_aux_loss.py)
-        from megatron_pg_agg.patches import apply_megatron_patches  # noqa: PLC0415
+    from megatron_pg_agg.patches import apply_megatron_patches, rope_thd  # noqa: PLC0415
 
-        apply_megatron_patches(cpu_gloo=False, moe_aux_loss=True)
+    # moe_aux_loss: the routers' aux/z losses keep Megatron's strength under every mode; rope_thd:
+    # 0.19's unfused packed RoPE in one shot (patches/)
+    apply_megatron_patches(cpu_gloo=False, moe_aux_loss=moe, rope_thd=rope_thd.needed())
     vocab = cfg.model.vocab_size
     steps = load_steps(DataConfig(rollouts=rollouts), loss_cfg, vocab_size=vocab, seed=seed)
     step = PGForwardStep(loss_cfg, moe=moe)
