@@ -78,6 +78,10 @@ class TestedRelease:
     """The slime checkout (a folder of ``../shared/third_party``: slime is not on the package index)
     the leg gives its plug-in tests as a user's checkout (tests/distributed/test_slime.py, through
     ``MEGATRON_PG_AGG_SLIME``), where they must run; None: they skip."""
+    miles: str | None = None
+    """The miles checkout (a folder of ``../shared/third_party``; a user's checkout, as slime's) the leg
+    gives its plug-in tests (tests/distributed/test_miles.py, through ``MEGATRON_PG_AGG_MILES``), where
+    they must run; None: they skip."""
     nemo_rl: str | None = None
     """The NeMo-RL checkout (a folder of ``../shared/third_party``: NeMo-RL is not on the package index)
     the leg's NeMo-RL tests run against (through ``MEGATRON_PG_AGG_NEMO_RL``), in a venv of its own
@@ -85,7 +89,8 @@ class TestedRelease:
 
 
 TESTED: tuple[TestedRelease, ...] = (
-    TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full", slime="slime-624b824"),
+    TestedRelease("0.16.1", "core_v0.16.1", "Megatron-LM", "3.11", "2.13.0", "full", slime="slime-624b824",
+                  miles="miles-31f1ca9"),
     TestedRelease("0.15.3", "core_v0.15.3", "Megatron-LM-core_v0.15.3", "3.11", "2.13.0", "unit+megatron-lm"),
     TestedRelease("0.17.1", "core_v0.17.1", "Megatron-LM-core_v0.17.1", "3.12", "2.14.1", "unit+megatron-lm",
                   areal="1.0.4"),
@@ -111,14 +116,15 @@ SUITE_NAMES = {"full": "the whole suite",
 
 def tested_table() -> str:
     """The README's tested-versions table (Markdown), generated from :data:`TESTED`."""
-    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | slime | NeMo-RL "
-            "| CI runs |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| megatron-core | Megatron-LM tag | Python | torch | megatron-bridge | verl | AReaL | slime | miles "
+            "| NeMo-RL | CI runs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for leg in TESTED:
         suite = SUITE_NAMES[leg.suite] + (" + the AReaL plug-in" if leg.areal else "")
         rows.append(f"| {leg.megatron_core} | {leg.megatron_lm_tag} | {leg.python} | {leg.torch} | "
                     f"{leg.megatron_bridge or '-'} | {leg.verl or '-'} | {leg.areal or '-'} | "
                     f"{leg.slime.removeprefix('slime-') if leg.slime else '-'} | "
+                    f"{leg.miles.removeprefix('miles-') if leg.miles else '-'} | "
                     f"{leg.nemo_rl.removeprefix('nemo-rl-') if leg.nemo_rl else '-'} | {suite} |")
     return "\n".join(rows)
 
@@ -208,10 +214,10 @@ def release_problem(installed: str, shown: str | None = None) -> str | None:
 
 def _ci_legs() -> str:
     """One line per leg for .ci/run: ``core tag checkout python torch suite bridge verl areal slime
-    nemo_rl`` (``-`` for none)."""
+    nemo_rl miles`` (``-`` for none)."""
     return "\n".join(" ".join((leg.megatron_core, leg.megatron_lm_tag, leg.checkout, leg.python, leg.torch,
                                leg.suite, leg.megatron_bridge or "-", leg.verl or "-", leg.areal or "-",
-                               leg.slime or "-", leg.nemo_rl or "-"))
+                               leg.slime or "-", leg.nemo_rl or "-", leg.miles or "-"))
                      for leg in TESTED)
 
 

@@ -18,7 +18,13 @@ through the machinery (:mod:`megatron_pg_agg.patches._machinery`); ``patches/`` 
     ``worker_losses`` (the losses verl's workers train with), ``engine_patch`` (the engine and worker
     seams).
 ``slime/`` (docs/slime.md)
-    ``plugin`` (slime's conversion hook and its checks), ``weights`` (the per-sample denominators).
+    ``plugin`` (slime's conversion hook and its checks), ``weights`` (slime's names for the shared
+    per-sample denominators).
+``miles/`` (docs/miles.md)
+    ``plugin`` (miles' conversion hook, its step grouping and its checks).
+``slime_family/``
+    what the slime and miles plug-ins share: ``weights`` (the per-sample denominators
+    ``W / (R c_i)``), ``hook`` (the config block, the common refusals, the denominators written).
 ``nemo_rl/`` (docs/nemo-rl.md)
     ``plugin`` (config, refusals, ``use_pg_agg``, the ``Policy.train`` wrapper), ``weights`` (the
     driver's fields), ``loss`` (the loss object), ``launch`` (``launch/nemo_rl_grpo.py``), ``cpu/``

@@ -28,57 +28,32 @@ Skips without a slime checkout in ``MEGATRON_PG_AGG_SLIME`` (docs/slime.md) or a
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 from megatron_pg_agg.integrations.slime.plugin import CHECKOUT_ENV, checkout_problem
-from tests.support.launching import child_env, run, torchrun, worker
-from tests.support.optional import REQUIRE_MEGATRON_LM, require
+from tests.support.slime_family import GBS, MODES, SPLITS, checkout_paths, launch_layouts, stock_token_mean_moves
 
 REQUIRE_SLIME = "MEGATRON_PG_AGG_REQUIRE_SLIME"
-THIRD_PARTY = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "third_party")
 OBJECTIVE_TOL = 1e-6  # of max(|J|, 0.01)
 GRAD_TOL = 1e-5  # relative, whole gradient
-MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
-SPLITS = ("static1", "static3", "dynamic")
-LAYOUTS = {1: ("dp1cp1",), 2: ("dp2cp1", "dp1cp2")}
-GBS = 6
-
-
-def _paths() -> tuple[str, str]:
-    slime = os.environ.get(CHECKOUT_ENV)
-    require(checkout_problem(slime), REQUIRE_SLIME)
-    megatron_lm = os.environ.get("MEGATRON_LM_PATH") or os.path.join(THIRD_PARTY, "Megatron-LM")
-    if not os.path.isdir(os.path.join(megatron_lm, "megatron", "training")):
-        require(f"no Megatron-LM checkout at {megatron_lm} (MEGATRON_LM_PATH)",
-                REQUIRE_SLIME if os.environ.get(REQUIRE_SLIME) == "1" else REQUIRE_MEGATRON_LM)
-    return os.path.abspath(slime), os.path.abspath(megatron_lm)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     """{layout: {case: result}} from one launch per world size (every case each)."""
-    slime, megatron_lm = _paths()
-    tmp = tmp_path_factory.mktemp("slime")
-    env = child_env(MEGATRON_PG_AGG_SLIME=slime, MEGATRON_LM_PATH=megatron_lm)
-    out = {}
-    for world in (1, 2):
-        path = tmp / f"world{world}.json"
-        rc, log, elapsed = run(torchrun(world, *worker("slime_worker"), path), 600, f"slime world {world}", env=env)
-        assert rc == 0, log[-20000:]
-        data = json.loads(path.read_text())
-        print(f"slime world {world}: {len(data['cases'])} cases in {elapsed:.1f}s")
-        for name, case in data["cases"].items():
-            layout, case_name = name.split("/")
-            out.setdefault(layout, {})[case_name] = case
-    assert sorted(out) == sorted(LAYOUTS[1] + LAYOUTS[2])
-    return out
+    slime, megatron_lm = checkout_paths(CHECKOUT_ENV, checkout_problem, REQUIRE_SLIME)
+    return launch_layouts(tmp_path_factory.mktemp("slime"), "slime", CHECKOUT_ENV, slime, megatron_lm)
 
 
 def _errors(step: dict) -> tuple[float, float]:
     return abs(step["objective"] - step["reference"]) / max(abs(step["reference"]), 0.01), step["grad_error"]
+
+
+def _exact(step: dict) -> bool:
+    obj, grad = _errors(step)
+    return obj <= OBJECTIVE_TOL and grad <= GRAD_TOL
 
 
 def test_every_mode_split_and_layout_equals_the_float64_reference(results):
@@ -121,19 +96,7 @@ def test_control_slimes_stock_token_mean_moves_with_a_fully_masked_sample(result
     masked sample; with one (sample 4; sample 7 removed, which slime masks whole), each step's J
     and gradient are the reference's times N / (N + k), k the fully masked samples: clamp_min(M_i, 1)
     counts each as a token."""
-    moved = []
-    for layout, cases in results.items():
-        for split in SPLITS:
-            for step in cases[f"stock-token_mean-clean-{split}"]["steps"]:
-                obj, grad = _errors(step)
-                assert obj <= OBJECTIVE_TOL and grad <= GRAD_TOL, (layout, split, step)
-            for step in cases[f"stock-token_mean-{split}"]["steps"]:
-                n, k = step["valid_tokens"], step["fully_masked"]
-                assert k == 1
-                factor = n / (n + k)
-                assert abs(step["objective"] - factor * step["reference"]) <= 1e-6 * abs(step["reference"]), step
-                assert abs(step["grad_error"] - (1 - factor)) <= 1e-5, step
-                moved.append(1 - factor)
+    moved = stock_token_mean_moves(results, SPLITS, _exact)
     print(f"slime's stock token mean with one fully masked sample: J and gradient off by "
           f"{min(moved):.2%} to {max(moved):.2%}")
 

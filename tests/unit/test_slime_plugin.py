@@ -67,3 +67,17 @@ def test_without_a_megatron_config_path_the_roles_are_the_base_args():
     args = _args(megatron_config_path=None)
     assert role_args(args, "critic") is args
     assert config_problems(args) == []
+
+
+def test_megatron_fsdp_wrappers_are_refused_naming_the_flags(roles):
+    """--use-torch-fsdp2 and --use-megatron-fsdp (Megatron-LM's flags in slime's argv, in the base args
+    or a role's overrides): each refused naming the flag; off, nothing."""
+    (problem,) = config_problems(_args(use_torch_fsdp2=True, megatron_config_path=None))
+    assert problem.startswith("--use-torch-fsdp2: ") and "does not scale gradients" in problem, problem
+    (problem,) = config_problems(_args(use_megatron_fsdp=True, megatron_config_path=None))
+    assert problem.startswith("--use-megatron-fsdp: ") and "#7452, finding 12" in problem, problem
+    roles["critic"].update(use_torch_fsdp2=True)
+    (problem,) = config_problems(_args())
+    assert problem.startswith("--megatron-config-path roles.yaml (critic overrides): --use-torch-fsdp2: "), problem
+    roles["critic"].clear()
+    assert config_problems(_args(use_torch_fsdp2=False, use_megatron_fsdp=False)) == []

@@ -55,9 +55,9 @@ def test_ci_runs_the_legs_of_versions_py():
     lines = versions._ci_legs().splitlines()
     assert len(lines) == len(versions.TESTED) >= 5
     for line, leg in zip(lines, versions.TESTED):
-        core, tag, checkout, python, torch, suite, bridge, verl, areal, slime, nemo_rl = line.split()
+        core, tag, checkout, python, torch, suite, bridge, verl, areal, slime, nemo_rl, miles = line.split()
         assert bridge == (leg.megatron_bridge or "-") and verl == (leg.verl or "-") and areal == (leg.areal or "-")
-        assert slime == (leg.slime or "-") and nemo_rl == (leg.nemo_rl or "-")
+        assert slime == (leg.slime or "-") and nemo_rl == (leg.nemo_rl or "-") and miles == (leg.miles or "-")
         assert versions.in_range(core) and suite in versions.SUITE_NAMES
         assert tag.startswith("core_v" + ".".join(core.split(".")[:2]))
         assert checkout == leg.checkout

@@ -31,45 +31,23 @@ from __future__ import annotations
 import types
 from typing import Optional
 
-from megatron_pg_agg.integrations.objective import HostObjective, refused_as
-from megatron_pg_agg.integrations.slime.weights import SlimeConfigError, step_denominators
+from megatron_pg_agg.integrations.objective import HostObjective
+from megatron_pg_agg.integrations.slime.weights import SLIME, SlimeConfigError
+from megatron_pg_agg.integrations.slime_family import hook
+from megatron_pg_agg.integrations.slime_family.hook import DIVISOR_KEY, MODE_KEY
 
-__all__ = ["SlimeConfigError", "config_problems", "convert_samples_to_train_data", "objective_from_args",
-           "role_args", "slime_steps"]
-
-MODE_KEY = "pg_agg_mode"
-"""The key of slime's ``--custom-config-path`` YAML (set on slime's args) naming the mode."""
-DIVISOR_KEY = "pg_agg_divisor"
-"""constant's divisor L (same YAML)."""
+__all__ = ["DIVISOR_KEY", "MODE_KEY", "SlimeConfigError", "config_problems", "convert_samples_to_train_data",
+           "objective_from_args", "role_args", "slime_steps"]
 
 
 def objective_from_args(args) -> HostObjective:
     """The objective of slime's ``args`` (:data:`MODE_KEY`, :data:`DIVISOR_KEY`); raises
     :class:`SlimeConfigError` naming both keys."""
-    mode = getattr(args, MODE_KEY, None)
-    if not mode:
-        raise SlimeConfigError(f"{MODE_KEY} is not set: give slime --custom-config-path with a YAML holding "
-                               f"'{MODE_KEY}: <token_mean|seq_mean|prompt_mean|constant>' (and '{DIVISOR_KEY}: L' "
-                               "for constant)")
-    mode, divisor = str(mode), getattr(args, DIVISOR_KEY, None)
-    divisor = None if divisor is None else float(divisor)
-    with refused_as(SlimeConfigError, f"{MODE_KEY}={mode!r}, {DIVISOR_KEY}={divisor!r}"):
-        return HostObjective(mode, divisor)
+    return hook.objective_from_args(args, SlimeConfigError)
 
 
 def _flag_problems(args, role: str = "actor") -> list:
-    """The problems of one role's args: a critic's value loss reads only --calculate-per-token-loss
-    (its reducer is always get_sum_of_sample_mean), the actor's policy loss both flags."""
-    problems = []
-    if getattr(args, "calculate_per_token_loss", False):
-        problems.append("--calculate-per-token-loss: slime then divides by its own token count "
-                        "(sum of clamp_min(mask sum, 1)) and ignores rollout_mask_sums; drop the flag (every mode, "
-                        "token_mean included, comes from the plug-in)")
-    if role == "actor" and getattr(args, "custom_pg_loss_reducer_function_path", None):
-        problems.append(f"--custom-pg-loss-reducer-function-path={args.custom_pg_loss_reducer_function_path}: "
-                        "the reducer replaces get_sum_of_sample_mean for the policy loss and sees no per-sample "
-                        "denominators, so the policy term would not follow the plug-in's weights; drop the flag")
-    return problems
+    return hook.flag_problems(args, "slime", role) + hook.wrapper_problems(args)
 
 
 def _roles(args) -> list:
@@ -155,29 +133,18 @@ def default_conversion(args, samples: list) -> dict:
     return manager._convert_samples_to_train_data(samples)
 
 
-def _name(position: int, sample) -> str:
-    return (f"sample {position} (Sample.index {getattr(sample, 'index', None)}, "
-            f"group_index {getattr(sample, 'group_index', None)})")
-
-
 def convert_samples_to_train_data(args, samples: list, objective: Optional[HostObjective] = None) -> dict:
     """slime's ``--custom-convert-samples-to-train-data-path`` hook (module docstring): slime's default
     conversion with ``rollout_mask_sums`` replaced by the plug-in's denominators. ``objective``
     None: from ``args`` (:func:`objective_from_args`). Raises :class:`SlimeConfigError` naming the
     flags or samples it refuses."""
     objective = objective if objective is not None else objective_from_args(args)
-    problems = config_problems(args)
-    if problems:
-        raise SlimeConfigError("megatron_pg_agg refuses this slime configuration:\n- " + "\n- ".join(problems))
-    # the denominator masks: before slime's conversion zeroes a removed sample's mask (it changes the Sample)
-    denominators = [list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length for s in samples]
+    hook.refuse(config_problems(args), SLIME)
+    denominators = hook.denominator_masks(samples)
     data = default_conversion(args, samples)
     steps = slime_steps(data["rollout_ids"], args.global_batch_size)
-    data["rollout_mask_sums"] = step_denominators(
-        denominators, data["loss_masks"], steps, [s.group_index for s in samples],
-        global_batch_size=args.global_batch_size, objective=objective,
-        names=[_name(i, s) for i, s in enumerate(samples)])
-    return data
+    return hook.write_denominators(data, samples, denominators, steps, [args.global_batch_size] * len(steps),
+                                   objective, SLIME)
 
 
 CHECKOUT_ENV = "MEGATRON_PG_AGG_SLIME"
@@ -188,14 +155,5 @@ tools that import slime from outside a slime launch (slime is not on the package
 def checkout_problem(path: Optional[str]) -> Optional[str]:
     """None when ``path`` is a slime checkout with what the plug-in uses (``rollout_mask_sums``:
     slime #1933 or later), else why not."""
-    import os  # noqa: PLC0415
-
-    if not path:
-        return f"no slime checkout: set {CHECKOUT_ENV} to one (docs/slime.md)"
-    rollout = os.path.join(path, "slime", "ray", "rollout.py")
-    if not os.path.isfile(rollout):
-        return f"{CHECKOUT_ENV}={path} is not a slime checkout (no slime/ray/rollout.py)"
-    with open(rollout) as f:
-        if "rollout_mask_sums" not in f.read():
-            return f"the slime checkout {path} predates rollout_mask_sums (slime #1933): update it"
-    return None
+    return hook.checkout_problem(path, env=CHECKOUT_ENV, package="slime", module="slime/ray/rollout.py",
+                                 needle="rollout_mask_sums", why="slime #1933")

@@ -30,55 +30,37 @@ import copy
 import os
 import tempfile
 
+from tests.distributed.workers import slime_family_cpu as shared
+from tests.distributed.workers.slime_family_cpu import CRITIC_PROMPT_LENGTHS as PROMPT_LENGTHS
+from tests.distributed.workers.slime_family_cpu import GAMMA, LAMBD, LR, VALUE_CLIP
 from tests.distributed.workers.slime_worker import (
     GBS,
     PLUGIN_HOOK,
-    VOCAB,
     config_of,
     convert_and_split,
     logged_during,
-    masks,
-    mode_objective,
     slime_args,
     train_actor_of,
     wrapped,
 )
 
-GAMMA, LAMBD = 0.9, 0.8
-VALUE_CLIP = 0.2  # slime's default --value-clip
-LR = 1.0
-CRITIC_SEED = 4321
 _YAML_DIR: list = []
-PROMPT_LENGTHS = (6, 8, 7, 8)
-"""The critic's prompts: every sample's last response prediction on CP rank 0 at CP 2 (see :func:`samples`)."""
+
+
+def _head():
+    from slime.backends.megatron_utils.model_provider import LinearForLastLayer
+
+    return LinearForLastLayer
 
 
 def critic_module(config):
     """``PerTokenLM`` with slime's value head (``model_provider``, role ``critic``)."""
-    import torch
-    from slime.backends.megatron_utils.model_provider import LinearForLastLayer
-
-    from megatron_pg_agg.parity.models import PerTokenLM
-
-    class PerTokenCritic(PerTokenLM):
-        def forward(self, input_ids, position_ids=None, attention_mask=None, packed_seq_params=None, **_):
-            hidden = torch.tanh(self.mix(self.embedding(input_ids)))
-            logits, _ = self.output_layer(hidden)  # GPTModel's call of its output layer
-            return logits
-
-    module = PerTokenCritic(config, VOCAB)
-    module.output_layer = LinearForLastLayer(input_size=module.mix.in_features, output_size=1, config=config)
-    return module
+    return shared.critic_module(config, _head())
 
 
 def initial_state() -> dict:
     """The critic's weights (the same on every rank)."""
-    import torch
-
-    from megatron_pg_agg.parity.models import tiny_transformer_config
-
-    torch.manual_seed(CRITIC_SEED)
-    return {k: v.clone() for k, v in critic_module(tiny_transformer_config()).state_dict().items()}
+    return shared.initial_state(_head())
 
 
 def critic_args(extra: dict, overrides=None):
@@ -133,17 +115,12 @@ def samples(model, make_samples) -> tuple:
 
 
 # ---------------------------------------------------------------- the float64 reference
-def _values(weights: dict, sample):
-    """float64 ``V`` at the position before each response token (slime's ``get_responses`` alignment)."""
-    import torch
-
-    tokens = torch.tensor(sample.tokens)
-    start = len(tokens) - sample.response_length - 1
-    hidden = torch.tanh(weights["embedding.weight"][tokens] @ weights["mix.weight"].T + weights["mix.bias"])
-    return (hidden @ weights["output_layer.weight"].T + weights["output_layer.bias"])[start:len(tokens) - 1, 0]
+def _returns(sample, old, _numerator):
+    """slime's GAE returns ``A_t + V_old_t`` over every response token (:func:`_gae`)."""
+    return _gae(sample.reward, old)
 
 
-def _returns(reward: float, old):
+def _gae(reward: float, old):
     """GAE returns ``A_t + V_old_t``: reward at the last response token, ``V_old`` 0 past the end."""
     import torch
 
@@ -153,35 +130,6 @@ def _returns(reward: float, old):
         delta = (reward if t == len(old) - 1 else 0.0) + GAMMA * following - old[t]
         advantage = delta + GAMMA * LAMBD * advantage
         out[t] = advantage + old[t]
-    return out
-
-
-def critic_reference_steps(samples, state, weights, mode, divisor, plugin: bool):
-    """Per step ``(J, flat gradient, clipped, tokens, active)`` in float64 (module docstring):
-    ``clipped`` the numerator tokens where the clipped branch is the larger, ``tokens`` all
-    numerator tokens, ``active`` the samples with a denominator token."""
-    import torch
-
-    initial = {n: t.double() for n, t in state.items()}
-    old = [_values(initial, s).detach() for s in samples]
-    returns = [_returns(s.reward, v) for s, v in zip(samples, old)]
-    out = []
-    for k, start in enumerate(range(0, len(samples) - GBS + 1, GBS)):
-        step = list(range(start, start + GBS))
-        w = {n: t.clone().requires_grad_(True) for n, t in sorted(weights[k].items())}
-        sums, sizes, clipped, tokens = {}, {}, 0, 0
-        for i in step:
-            values = _values(w, samples[i])
-            clip = torch.minimum(torch.maximum(values, old[i] - VALUE_CLIP), old[i] + VALUE_CLIP)
-            plain, clipped_error = (values - returns[i]).square(), (clip - returns[i]).square()
-            den, num = masks(samples[i], plugin)
-            sums[i], sizes[i] = (torch.maximum(plain, clipped_error) * num).sum(), float(den.sum())
-            clipped += int(((clipped_error > plain) & (num > 0)).sum())
-            tokens += int(num.sum())
-        j = mode_objective(samples, step, sums, sizes, mode, divisor)
-        j.backward()
-        out.append((float(j), torch.cat([t.grad.reshape(-1) for t in w.values()]), clipped, tokens,
-                    sum(1 for i in step if sizes[i] > 0)))
     return out
 
 
@@ -214,7 +162,8 @@ def run_critic(run, state, cp: int, rank: int) -> dict:
         losses, capture, num_mb = run_critic_case(args, role_args, data, state, cp)
     except SlimeConfigError as error:
         return {"refused": str(error)}
-    refs = critic_reference_steps(data, state, capture.weights, mode, div, plugin) if rank == 0 else None
+    refs = (shared.critic_reference_steps(data, state, capture.weights, mode, div, plugin, _returns)
+            if rank == 0 else None)
     steps = []
     for s, (loss, grad) in enumerate(zip(losses, capture.grads)):
         row = {"objective": loss, "increment": capture.increments[s]}

@@ -52,70 +52,37 @@ OUT (rank 0, JSON): ``{"cases": {"<layout>/<case>": {"steps": [{"objective", "re
 """
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
+import functools
 import json
 import os
 import sys
 import time
-import types
+
+from tests.distributed.workers.slime_family_cpu import (  # noqa: F401 (slime_critic imports them from here)
+    ENTROPY,
+    GBS,
+    GROUP_SIZE,
+    MODES,
+    SPLITS,
+    VOCAB,
+    Capture,
+    actor_steps,
+    config_of,
+    install_stand_ins,
+    make_samples,
+    masks,
+    mode_objective,
+    wrapped,
+)
 
 T0 = time.monotonic()
 CHECKOUT = os.path.abspath(os.environ["MEGATRON_PG_AGG_SLIME"])
 MEGATRON_LM = os.path.abspath(os.environ["MEGATRON_LM_PATH"])
 PLUGIN_HOOK = "megatron_pg_agg.integrations.slime.plugin.convert_samples_to_train_data"
 
-VOCAB = 40
-GROUP_SIZE = 3
-PROMPT_LENGTHS = (5, 3, 7, 4)
-RESPONSE_LENGTHS = ((6, 2, 9), (4, 11, 3), (7, 1, 5), (8, 3, 10))
-REWARDS = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0), (1.0, 1.0, 0.0), (0.5, 0.0, 1.0))
-GBS = 6
-ENTROPY = 0.01
-EPS = 0.2
-INACTIVE, REMOVED = 4, 7
-MODES = {"token_mean": None, "seq_mean": None, "prompt_mean": None, "constant": 12.0}
-SPLITS = {"static1": dict(micro_batch_size=1), "static3": dict(micro_batch_size=3),
-          "dynamic": dict(use_dynamic_batch_size=True, max_tokens_per_gpu=30)}
 
 
 # ---------------------------------------------------------------- stand-ins
-def _inert_module(name: str) -> types.ModuleType:
-    module = types.ModuleType(name, "CPU stand-in (tests/distributed/workers/slime_worker.py): unused here")
-    module.__path__ = []
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-
-    def attribute(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def refuse(*_a, **_k):
-            raise RuntimeError(f"stand-in {name}.{attr} was used")
-
-        return type(attr, (), {"__init__": refuse}) if attr[:1].isupper() else refuse
-
-    module.__getattr__ = attribute
-    return module
-
-
-class _ActorClass:
-    """What ``ray.remote`` returns for a class: the class itself is ``__ray_actor_class__``."""
-
-    def __init__(self, cls):
-        self.__ray_actor_class__ = cls
-
-
-class _Bar:
-    def __init__(self, *_a, **_k):
-        pass
-
-    def update(self, *_a):
-        pass
-
-    def close(self):
-        pass
-
-
 def cpu_accelerator():
     """slime's accelerator API on the CPU (installed with slime's own ``set_accelerator``)."""
     import torch
@@ -165,42 +132,6 @@ def cpu_accelerator():
     return CpuAccelerator()
 
 
-INERT = ("httpx", "wandb", "requests", "urllib3", "sglang", "sglang_router", "ray.util", "ray.actor",
-         "torch_memory_saver", "transformers")
-"""Packages slime imports but this path never calls: each, with every submodule, an inert module."""
-
-
-class _InertFinder:
-    """``sys.meta_path`` finder: any module of :data:`INERT` (submodules included) is an inert one."""
-
-    @staticmethod
-    def find_spec(name, _path=None, _target=None):
-        if any(name == root or name.startswith(root + ".") for root in INERT):
-            return importlib.machinery.ModuleSpec(name, _InertFinder, is_package=True)
-        return None
-
-    @staticmethod
-    def create_module(spec):
-        return _inert_module(spec.name)
-
-    @staticmethod
-    def exec_module(_module):
-        pass
-
-
-def install_stand_ins() -> None:
-    sys.meta_path.insert(0, _InertFinder)
-    ray = _inert_module("ray")
-    ray.remote = lambda target=None, **_k: _ActorClass(target) if isinstance(target, type) else target
-    ray.put = lambda value, **_k: value
-    ray.get = lambda value, **_k: value
-    sys.modules["ray"] = ray
-    importlib.import_module("ray.util")  # the finder's inert one, set as the stand-in's attribute
-    tqdm = _inert_module("tqdm")
-    tqdm.tqdm = _Bar
-    sys.modules["tqdm"] = tqdm
-
-
 # ---------------------------------------------------------------- slime's args, data and run
 def slime_args(extra: dict):
     """slime's own parser (Megatron-LM's parse_args + slime's arguments) and slime's derived value
@@ -223,68 +154,6 @@ def slime_args(extra: dict):
     for key, value in extra.items():
         setattr(args, key, value)
     return args
-
-
-def make_samples(model, remove: bool = True, inactive: bool = True, prompt_lengths=PROMPT_LENGTHS):
-    """slime Samples of the whole rollout (every rank the same)."""
-    import torch
-    from slime.utils.types import Sample
-
-    g = torch.Generator().manual_seed(7)
-    samples = []
-    for group, (prompt_len, lengths, rewards) in enumerate(zip(prompt_lengths, RESPONSE_LENGTHS, REWARDS)):
-        prompt = torch.randint(1, VOCAB, (prompt_len,), generator=g)
-        for length, reward in zip(lengths, rewards):
-            response = torch.randint(1, VOCAB, (length,), generator=g)
-            tokens = torch.cat([prompt, response])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(tokens[None])[0].float(), -1)
-            own = logp[torch.arange(prompt_len - 1, len(tokens) - 1), response]
-            mask = [1] * length
-            if length > 4:
-                mask[2] = 0
-            index = len(samples)
-            if index == INACTIVE and inactive:
-                mask = [0] * length
-            samples.append(Sample(group_index=group, index=index, tokens=tokens.tolist(), response_length=length,
-                                  reward=reward, loss_mask=mask, status=Sample.Status.COMPLETED,
-                                  remove_sample=remove and index == REMOVED,
-                                  rollout_log_probs=(own + 0.3 * torch.randn(length, generator=g)).tolist()))
-    return samples
-
-
-class Capture:
-    """The optimizer and LR scheduler stand-ins: ``step`` records the reduced gradient and the weights
-    the step's forward ran on, then moves the weights by plain SGD with rate ``lr`` (0, the actor
-    cases: they stay)."""
-
-    def __init__(self, ddp_model, lr: float = 0.0):
-        self.model, self.lr = ddp_model, lr
-        self.grads, self.weights, self.increments, self.param_groups = [], [], [], []
-
-    def scale_loss(self, loss):
-        return loss
-
-    def zero_grad(self):
-        pass
-
-    def step(self, increment=None):
-        if increment is not None:  # the scheduler
-            self.increments.append(increment)
-            return
-        import torch
-
-        params = dict(sorted(self.model.module.named_parameters()))
-        self.grads.append(torch.cat([p.main_grad.reshape(-1).double() for p in params.values()]))
-        self.weights.append({n: p.detach().double().clone() for n, p in params.items()})
-        if self.lr:
-            with torch.no_grad():
-                for p in params.values():
-                    p.sub_(self.lr * p.main_grad)
-        return True, 0.0, 0
-
-    def get_lr(self, _group):
-        return 0.0
 
 
 def convert_and_split(args, samples, cp: int) -> list:
@@ -323,22 +192,6 @@ def train_actor_of(args, role: str, refs):
     return actor, MegatronTrainRayActor._get_rollout_data(actor, refs)
 
 
-def wrapped(module, state, lr: float = 0.0):
-    """``module`` with ``state`` in megatron-core DDP and its :class:`Capture` optimizer."""
-    from megatron_pg_agg.megatron.model import default_ddp_config, wrap_in_ddp
-
-    module.load_state_dict(state)
-    (ddp,) = wrap_in_ddp([module], module.config, default_ddp_config())
-    return ddp, Capture(ddp, lr)
-
-
-def config_of(args, cp: int):
-    """The model config as Megatron-LM builds it from slime's args."""
-    from megatron_pg_agg.parity.models import tiny_transformer_config
-
-    return tiny_transformer_config(context_parallel_size=cp, calculate_per_token_loss=args.calculate_per_token_loss)
-
-
 def logged_during(run) -> list:
     """What slime's ``train()`` logs (``logging_utils.log``, one dict per step) while ``run()`` runs."""
     from slime.observability import logging_utils
@@ -372,74 +225,6 @@ def run_case(args, samples, model_state, cp: int):
             list(rollout_data["num_microbatches"]))
 
 
-# ---------------------------------------------------------------- the float64 reference
-def masks(sample, plugin: bool):
-    """float64 ``(denominator, numerator)`` masks of a sample: a removed sample leaves the numerator
-    only (``plugin``: the filtered-numerator rule), or both (slime's own conversion masks it whole)."""
-    import torch
-
-    den = torch.tensor(sample.loss_mask, dtype=torch.float64)
-    num = den * (0.0 if sample.remove_sample else 1.0)
-    return (num if sample.remove_sample and not plugin else den), num
-
-
-def mode_objective(samples, step, sums, sizes, mode, divisor):
-    """The README's J of one step from per-sample numerator sums ``N_i`` and denominators ``D_i``."""
-    active = [i for i in step if sizes[i] > 0]
-    if mode == "token_mean":
-        return sum(sums[i] for i in step) / sum(sizes[i] for i in step)
-    if mode == "seq_mean":
-        return sum(sums[i] / sizes[i] for i in active) / len(active)
-    if mode == "constant":
-        return sum(sums[i] for i in step) / (len(active) * divisor)
-    groups = {}
-    for i in step:
-        groups.setdefault(samples[i].group_index, []).append(i)
-    live = [m for m in groups.values() if sum(sizes[i] for i in m) > 0]
-    return sum(sum(sums[i] for i in m) / sum(sizes[i] for i in m) for m in live) / len(live)
-
-
-def reference_steps(samples, model_state, mode, divisor, plugin: bool):
-    """Per step ``(J, flat gradient)`` in float64 (module docstring). ``plugin``: the removed
-    sample stays in the denominator (the filtered-numerator rule); else slime's own masks."""
-    import torch
-
-    from megatron_pg_agg.parity.models import PerTokenLM
-
-    model = PerTokenLM(None, VOCAB).double()
-    model.load_state_dict(model_state)
-    names = sorted(n for n, _ in model.named_parameters())
-    params = dict(model.named_parameters())
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64).view(-1, GROUP_SIZE)
-    centred = rewards - rewards.mean(-1, keepdim=True)
-    advantages = (centred / (centred.std(-1, keepdim=True) + 1e-6)).reshape(-1)
-    out = []
-    for start in range(0, len(samples) - GBS + 1, GBS):
-        step = list(range(start, start + GBS))
-        model.zero_grad()
-        tok_loss, den, num = {}, {}, {}
-        for i in step:
-            s = samples[i]
-            tokens = torch.tensor(s.tokens)
-            p = len(tokens) - s.response_length
-            logits = model(tokens[None])[0][p - 1:len(tokens) - 1]
-            logp_all = torch.log_softmax(logits, -1)
-            logp = logp_all[torch.arange(s.response_length), tokens[p:]]
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-            ratio = torch.exp(logp - torch.tensor(s.rollout_log_probs, dtype=torch.float32).double())
-            a = advantages[i]
-            pg = torch.maximum(-ratio * a, -ratio.clamp(1 - EPS, 1 + EPS) * a)
-            tok_loss[i] = pg - ENTROPY * entropy
-            den[i], num[i] = masks(s, plugin)
-        sums = {i: (tok_loss[i] * num[i]).sum() for i in step}
-        sizes = {i: float(den[i].sum()) for i in step}
-        j = mode_objective(samples, step, sums, sizes, mode, divisor)
-        j.backward()
-        out.append((float(j), torch.cat([params[n].grad.reshape(-1) for n in names]),
-                    int(sum(sizes.values())), sum(1 for i in step if sizes[i] == 0)))
-    return out
-
-
 def actor_runs(samples, clean) -> list:
     """``(name, extra, data, mode, divisor, plugin)`` of every actor case of a layout."""
     runs = [(f"{mode}-{split}", dict(custom_convert_samples_to_train_data_path=PLUGIN_HOOK, pg_agg_mode=mode,
@@ -461,24 +246,12 @@ def run_actor(run, state, cp: int, rank: int, refs: dict) -> dict:
     """One actor case's result row (``refused``: the hook's message); ``refs`` caches the references."""
     from megatron_pg_agg.integrations.slime.weights import SlimeConfigError
 
-    _name, extra, data, mode, div, plugin = run
-    args = slime_args(extra)
+    args = slime_args(run[1])
     try:
-        objectives, grads, increments, num_mb = run_case(args, data, state, cp)
+        objectives, grads, increments, num_mb = run_case(args, run[2], state, cp)
     except SlimeConfigError as error:
         return {"refused": str(error)}
-    key = (id(data), mode, div, plugin)
-    if key not in refs and rank == 0:
-        refs[key] = reference_steps(data, state, mode, div, plugin)
-    steps = []
-    for s, (obj, grad) in enumerate(zip(objectives, grads)):
-        row = {"objective": obj, "increment": increments[s]}
-        if rank == 0:
-            ref_j, ref_g, tokens, empty = refs[key][s]
-            row.update(reference=ref_j, grad_error=float((grad - ref_g).norm() / ref_g.norm()),
-                       valid_tokens=tokens, fully_masked=empty)
-        steps.append(row)
-    return {"steps": steps, "num_microbatches": num_mb}
+    return {"steps": actor_steps(run, state, rank, refs, objectives, grads, increments), "num_microbatches": num_mb}
 
 
 def main(out_path: str) -> None:
@@ -508,10 +281,12 @@ def main(out_path: str) -> None:
     state = {k: v.clone() for k, v in state.items()}
     ref_model = PerTokenLM(None, VOCAB)
     ref_model.load_state_dict(state)
-    samples = make_samples(ref_model)
-    clean = make_samples(ref_model, remove=False, inactive=False)
+    from slime.utils.types import Sample
+
+    samples = make_samples(ref_model, Sample)
+    clean = make_samples(ref_model, Sample, remove=False, inactive=False)
     critic_state = slime_critic.initial_state()
-    critic_samples, critic_clean = slime_critic.samples(ref_model, make_samples)
+    critic_samples, critic_clean = slime_critic.samples(ref_model, functools.partial(make_samples, sample_type=Sample))
     layouts = [(1, 1)] if world == 1 else [(2, 1), (1, 2)]
     cases, times = {}, {"import": t_import}
     for dp, cp in layouts:
