@@ -64,9 +64,11 @@ setup(
               "megatron_pg_agg.integrations", "megatron_pg_agg.integrations.areal",
               "megatron_pg_agg.integrations.areal.cpu",
               "megatron_pg_agg.integrations.verl", "megatron_pg_agg.integrations.slime",
+              "megatron_pg_agg.integrations.slime_family", "megatron_pg_agg.integrations.miles",
               "megatron_pg_agg.integrations.nemo_rl", "megatron_pg_agg.integrations.nemo_rl.cpu",
               "megatron_pg_agg.integrations.bridge", "megatron_pg_agg.integrations.bridge.cpu",
-              "megatron_pg_agg.patches", "megatron_pg_agg.patches.cpu"],
+              "megatron_pg_agg.patches", "megatron_pg_agg.patches.cpu",
+              "megatron_pg_agg.audit", "megatron_pg_agg.audit.hosts"],
     package_dir={"megatron_pg_agg": "megatron_pg_agg", "megatron_pg_agg.patches": "patches",
                  "megatron_pg_agg.patches.cpu": "patches/cpu"},
     python_requires=">=3.10",
@@ -93,7 +95,8 @@ setup(
         "te": ["transformer-engine[pytorch]"],
     },
     entry_points={
-        "console_scripts": ["megatron-pg-agg-parity=megatron_pg_agg.parity:main"],
+        "console_scripts": ["megatron-pg-agg-parity=megatron_pg_agg.parity:main",
+                            "megatron-pg-agg-audit=megatron_pg_agg.audit:main"],
         # verl loads every plug-in of this group on import (VERL_USE_EXTERNAL_PLUGINS=auto, its default):
         # the plug-in registers loss_mode "pg_agg" and patches verl's Megatron engine, inert until used
         "verl.plugins": ["megatron_pg_agg = megatron_pg_agg.integrations.verl.plugin"],

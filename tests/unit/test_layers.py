@@ -1,4 +1,5 @@
-"""The package's layers import downward only: core <- data <- patches <- megatron <- training <- integrations <- online.
+"""The package's layers import downward only: core <- data <- patches <- megatron <- training <- integrations <- online
+<- audit (the audit command reads the hosts' configs and runs their losses and the plug-ins' lines).
 A lower layer that imports a higher one (even inside a function) makes the higher layer's optional
 stack a dependency of the lower one; the trainer reaches Megatron-Bridge through the model-source
 seam (training/model_source.py) instead. ``patches`` (the top-level ``patches/`` folder, shipped as
@@ -15,11 +16,11 @@ import sys
 from tests.support.package_imports import ROOT, imports
 
 PACKAGE = ROOT / "megatron_pg_agg"
-ORDER = ["core", "data", "patches", "megatron", "training", "integrations", "online"]
+ORDER = ["core", "data", "patches", "megatron", "training", "integrations", "online", "audit"]
 BELOW_THE_ROOT = ["core", "data", "patches", "megatron", "training"]
 FOLDERS = {layer: ROOT / "patches" if layer == "patches" else PACKAGE / layer for layer in ORDER}
 """Each layer's folder on disk (setup.py's package_dir ships ``patches/`` as ``megatron_pg_agg.patches``)."""
-HOSTS = ["areal", "verl", "slime", "nemo_rl", "bridge"]
+HOSTS = ["areal", "verl", "slime", "slime_family", "miles", "nemo_rl", "bridge"]
 
 
 def test_the_walk_resolves_the_shipped_patches_folder():
@@ -61,7 +62,7 @@ def test_importing_megatron_and_training_loads_no_host_module():
         "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        importlib.import_module(info.name)\n"
         f"hosts = {[f'megatron_pg_agg.integrations.{h}' for h in HOSTS]!r}\n"
-        "own = ('verl', 'areal', 'nemo_rl', 'slime', 'mbridge')\n"
+        "own = ('verl', 'areal', 'nemo_rl', 'slime', 'miles', 'mbridge')\n"
         "loaded = [n for n in sys.modules if any(n == h or n.startswith(h + '.') for h in hosts)\n"
         "          or n.split('.')[0] in own or n.startswith('megatron.bridge')]\n"
         "print(len([n for n in sys.modules if n.startswith('megatron_pg_agg.training.')]), sorted(loaded))\n")

@@ -1,0 +1,244 @@
+"""Megatron-LM's RL loop (train_rl.py, megatron/rl at core_v0.19) for the audit.
+
+Config: Megatron-LM's own ``megatron.training.arguments.parse_args`` over the command line after
+``--`` (``--config FILE``: a file of such arguments); a flag it does not know is refused by its
+argparse ("unrecognized arguments"). The DP size is the world size over the model-parallel sizes,
+not a flag: the audit's ``--dp`` gives it (default 2).
+
+Stock loss, per micro-batch, all Megatron's code: ``rl_utils.calculate_grpo_loss`` (per token: PPO
+clip, k3 KL, entropy term), ``train_rl.loss_func`` (masked sum and token count, an all-masked
+micro-batch counting 1) and megatron-core's ``schedules.forward_step_calc_loss`` (without
+``--calculate-per-token-loss``: the sum over the count, over the number of micro-batches). Across a
+step, what megatron-core's DDP and ``finalize_model_grads`` do to those per-micro-batch losses: the
+gradients averaged over DP ranks, or, with ``--calculate-per-token-loss``, divided by the step's
+summed count. The DP partition is the one ``rl_utils.prepare_data_for_update`` makes inline (a
+function that needs the model): the collection group-major, padded with all-masked rows to a
+multiple of DP x micro-batch size, each DP rank a contiguous slice; each optimizer step takes the
+next ``global_batch / DP`` rows of every rank's slice (rl_utils.py at core_v0.19.0, ~1585-1620).
+
+Plug-in line: the project's RL entry (launch/train_rl_actor.py, docs/megatron-rl.md): steps of whole
+groups in collection order whatever the DP size, token weights of the mode over the step, the same
+per-token loss and megatron-core's per-token reduction.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import types
+from functools import partial
+
+import torch
+
+from megatron_pg_agg.audit.batch import BatchShape
+from megatron_pg_agg.audit.hosts import HostConfig, HostMissing, HostRefusal, command_line, without_flags
+from megatron_pg_agg.audit.measure import Split
+
+__all__ = ["INSTALL", "load", "plugin", "stock"]
+
+INSTALL = ("a Megatron-LM checkout at core_v0.19.x (--megatron-lm PATH or MEGATRON_LM_PATH) with "
+           "pip install megatron-core==0.19.2 'megatron_pg_agg[megatron-rl]'")
+PAD = -1
+"""A padding row of ``prepare_data_for_update`` (all-masked)."""
+
+
+def _modules():
+    """Megatron-LM's train_rl and rl_utils, and megatron-core's schedules (imports only when used)."""
+    from megatron.core import __version__ as core_version  # noqa: PLC0415
+
+    if not core_version.startswith("0.19."):
+        raise HostMissing(f"megatron-core {core_version}: Megatron-LM's RL loop is audited on 0.19; install {INSTALL}")
+    import train_rl  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
+    from megatron.rl import rl_utils  # noqa: PLC0415
+
+    return train_rl, rl_utils, schedules
+
+
+def _parse(argv: list):
+    """Megatron-LM's own parser over ``argv`` (its ``parse_args`` reads ``sys.argv``)."""
+    from megatron.training.arguments import parse_args  # noqa: PLC0415
+
+    saved = sys.argv
+    sys.argv = ["train_rl.py", *argv]
+    try:
+        return parse_args()
+    finally:
+        sys.argv = saved
+
+
+def _checkout(argv: list) -> None:
+    from megatron_pg_agg.training.megatron_lm import find_checkout, use_checkout  # noqa: PLC0415
+    from megatron_pg_agg.training.run_config import StartupError  # noqa: PLC0415
+
+    try:
+        use_checkout(find_checkout(argv))
+    except StartupError as error:
+        raise HostMissing(f"{error}; install {INSTALL}") from None
+
+
+def _formula(args, dp: int) -> str:
+    gbs, mbs = args.global_batch_size, args.micro_batch_size
+    packing = (". With --rl-use-sequence-packing the micro-batches are bins, which the audit does not build: it "
+               "splits by rows." if args.rl_use_sequence_packing else "")
+    return _stock(args, dp, gbs, mbs) + packing
+
+
+def _stock(args, dp: int, gbs: int, mbs: int) -> str:
+    if args.calculate_per_token_loss:
+        return ("J_step = sum_t m_t l_t / (valid tokens of the step + k), k = all-masked micro-batches "
+                f"(padding rows, empty bins) counted as 1 each; steps of {gbs // dp} rows of each DP rank's "
+                "contiguous slice (--calculate-per-token-loss)")
+    return (f"J_step = (1/{dp}) sum_ranks (1/{gbs // (dp * mbs)}) sum_mb [sum_t m_t l_t / max(tokens_mb, 1)]: "
+            f"a mean of micro-batch token means (--micro-batch-size {mbs}, DP {dp}, --global-batch-size {gbs}, "
+            "no --calculate-per-token-loss)")
+
+
+def _splits(args, dp: int) -> list:
+    gbs, mbs = args.global_batch_size, args.micro_batch_size
+    splits = []
+    for d in dict.fromkeys([dp, 1]):
+        for m in dict.fromkeys([mbs, max(1, mbs // 2), 2 * mbs]):
+            if gbs % (d * m) == 0:
+                splits.append(Split(f"micro-batch {m}, DP {d}", {"micro_batch_size": m, "dp": d,
+                                                                 "global_batch_size": gbs}))
+    return splits
+
+
+def load(config, overrides: list, argv: list, options) -> HostConfig:
+    """Megatron-LM's parsed args and what the audit reads of them; the responses of the synthetic
+    batch are up to half of ``--seq-length`` (the rest is the prompt's)."""
+    full = command_line(config, overrides, argv)
+    _checkout(full)
+    try:
+        _modules()
+    except ImportError as error:
+        raise HostMissing(f"Megatron-LM's RL loop does not import here ({error}); install {INSTALL}") from None
+    args = _parse(without_flags(full, ("--megatron-lm",)))
+    dp = options.dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise HostRefusal(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                          f"{args.micro_batch_size} x DP {dp} (--dp): Megatron-LM refuses it")
+    shape = BatchShape(args.grpo_group_size, args.grpo_prompts_per_step, args.seq_length // 2, options.seed)
+    settings = {"--calculate-per-token-loss": args.calculate_per_token_loss,
+                "--global-batch-size": args.global_batch_size, "--micro-batch-size": args.micro_batch_size,
+                "--grpo-group-size": args.grpo_group_size, "--grpo-prompts-per-step": args.grpo_prompts_per_step,
+                "--seq-length": args.seq_length, "--rl-use-sequence-packing": args.rl_use_sequence_packing,
+                "DP (--dp)": dp}
+    fix = ("torchrun ... launch/train_rl_actor.py --megatron-lm PATH <the same flags> --calculate-per-token-loss "
+           "--pg-loss-aggregation token_mean   (docs/megatron-rl.md)")
+    return HostConfig(shape, _formula(args, dp), settings, _splits(args, dp), fix, args)
+
+
+def _partition(rows: int, dp: int, mbs: int, gbs: int) -> list:
+    """``prepare_data_for_update``'s partition: ``steps[k][rank]`` = the rank's micro-batches (row lists)."""
+    order = list(range(rows)) + [PAD] * (-rows % (dp * mbs))
+    per_rank = len(order) // dp
+    slices = [order[r * per_rank:(r + 1) * per_rank] for r in range(dp)]
+    per_step = gbs // dp
+    steps = []
+    for k in range(math.ceil(per_rank / per_step)):
+        steps.append([[s[a:a + mbs] for a in range(k * per_step, min((k + 1) * per_step, per_rank), mbs)]
+                      for s in slices])
+    return steps
+
+
+def _microbatch(batch, rows: list, leaves: list, dtype) -> dict:
+    """[mbs, width] tensors of ``rows`` (PAD rows all-masked), as Megatron's data iterator yields them."""
+    width = max([batch.lengths[i] for i in rows if i != PAD] + [1])
+
+    def pad(values):
+        out = [torch.nn.functional.pad(v.to(dtype), (0, width - v.numel())) for v in values]
+        return torch.stack(out)
+
+    def per_row(source, fill):
+        return [source[i] if i != PAD else torch.full((1,), fill) for i in rows]
+
+    mask = [batch.masks[i].float() if i != PAD else torch.zeros(1) for i in rows]
+    adv = torch.stack([batch.advantages[i] if i != PAD else torch.zeros(()) for i in rows]).to(dtype)
+    return {"current": pad(per_row(leaves, 0.0)), "old": pad(per_row(batch.old_logprobs, 0.0)),
+            "ref": pad(per_row(batch.ref_logprobs, 0.0)), "mask": pad(mask), "advantages": adv}
+
+
+def _token_losses(rl_utils, args, mb: dict) -> tuple:
+    return rl_utils.calculate_grpo_loss(
+        mb["current"], mb["old"], mb["ref"], mb["advantages"], clamp_eps_lower=args.grpo_clamp_eps_lower,
+        clamp_eps_upper=args.grpo_clamp_eps_upper, kl_beta=args.grpo_kl_beta,
+        entropy_weight=args.grpo_entropy_term_weight)
+
+
+def _reduced(schedules, loss_func, output, per_token: bool, num_microbatches: int) -> tuple:
+    """megatron-core's ``forward_step_calc_loss`` on one micro-batch's loss function."""
+    config = types.SimpleNamespace(calculate_per_token_loss=per_token, timers=None)
+    return schedules.forward_step_calc_loss(None, output, loss_func, config, None, False, num_microbatches, [],
+                                            cp_group_size=1, is_last_stage=True)
+
+
+def stock(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
+    from megatron.training.global_vars import set_args  # noqa: PLC0415
+
+    from megatron_pg_agg.patches.cpu.cpu_torch import _TensorCudaIsIdentity  # noqa: PLC0415
+
+    train_rl, rl_utils, schedules = _modules()
+    args = types.SimpleNamespace(**vars(config.host))
+    # train_rl.loss_func's optional checks need Megatron's rerun state machine; they change no value
+    args.check_for_nan_in_loss_and_grad = args.check_for_spiky_loss = False
+    args.context_parallel_size = 1
+    set_args(args)
+    dp, mbs, gbs = split.settings["dp"], split.settings["micro_batch_size"], split.settings["global_batch_size"]
+    objectives, steps = [], []
+    for step in _partition(batch.rows, dp, mbs, gbs):
+        losses, counts = [], []
+        for rank in step:
+            for rows in rank:
+                mb = _microbatch(batch, rows, leaves, torch.float32)
+                loss, kl, ratios, entropy, above, below = _token_losses(rl_utils, args, mb)
+                func = partial(train_rl.loss_func, mb["mask"], kl, ratios, entropy, above, below)
+                with _TensorCudaIsIdentity():  # loss_func moves its inputs with .cuda()
+                    out, count = _reduced(schedules, func, loss, args.calculate_per_token_loss, len(rank))
+                losses.append(out)
+                counts.append(count)
+        total = torch.stack(losses).sum()
+        objectives.append(total / torch.stack(counts).sum() if args.calculate_per_token_loss else total / dp)
+        steps.append([i for rank in step for rows in rank for i in rows if i != PAD])
+    return objectives, steps
+
+
+def plugin(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
+    from megatron_pg_agg.core.aggregation import token_weights  # noqa: PLC0415
+
+    _, rl_utils, schedules = _modules()
+    args = config.host
+    dp, mbs, gbs = split.settings["dp"], split.settings["micro_batch_size"], split.settings["global_batch_size"]
+    objectives, steps = [], []
+    for start in range(0, batch.rows, gbs):
+        rows = list(range(start, min(start + gbs, batch.rows)))
+        mask = torch.cat([batch.masks[i] for i in rows])
+        cu = torch.tensor([0] + [batch.lengths[i] for i in rows]).cumsum(0)
+        weights = token_weights(mask, mode="token_mean", cu_seqlens=cu)
+        offset = dict(zip(rows, cu[:-1].tolist()))
+        per_rank = math.ceil(len(rows) / dp)
+        losses, counts = [], []
+        for r in range(dp):
+            mine = rows[r * per_rank:(r + 1) * per_rank]
+            micro = [mine[a:a + mbs] for a in range(0, len(mine), mbs)]
+            for mb_rows in micro:
+                mb = _microbatch(batch, mb_rows, leaves, torch.float64)
+                loss = _token_losses(rl_utils, args, mb)[0]
+                coef = torch.zeros_like(loss)
+                count = torch.zeros((), dtype=torch.int64)
+                for j, i in enumerate(mb_rows):
+                    w = weights[int(offset[i]):int(offset[i]) + batch.lengths[i]]
+                    coef[j, :batch.lengths[i]] = w.coef.double()
+                    count = count + w.count.sum()
+                func = partial(_weighted, coef, count)
+                out, n = _reduced(schedules, func, loss, True, len(micro))
+                losses.append(out)
+                counts.append(n)
+        objectives.append(torch.stack(losses).sum() / torch.stack(counts).sum())
+        steps.append(rows)
+    return objectives, steps
+
+
+def _weighted(coef, count, losses):
+    """The plug-in's loss function: ``(sum_t c_t l_t, sum_t k_t, report)`` (the token form)."""
+    return (coef * losses).sum(), count, {}

@@ -1,0 +1,121 @@
+"""The audit of Megatron-LM's RL loop (train_rl.py at core_v0.19, megatron-core 0.19): the command run
+as a user runs it, its JSON against float64 references written here from Megatron-LM's formulas.
+
+Catches: a stock objective that is not Megatron-LM's mean of micro-batch means (the reference sums
+the first step's micro-batches itself), a DP partition that is not prepare_data_for_update's
+contiguous slices (the per-token case moves only through it, and cuts groups), a plug-in line that
+is not a token mean over whole-group steps, and a spread the report does not see. Skips on other
+megatron-core releases (the RL loop's own), and without a checkout as the other Megatron-LM tests.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_pg_agg.audit.batch import BatchShape, synthetic_batch
+from megatron_pg_agg.versions import in_range, installed_megatron_core_version
+from tests.support.launching import ROOT
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+         "--max-position-embeddings", "256", "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.2",
+         "--grpo-kl-beta", "0.01"]
+EPS, BETA = 0.2, 0.01
+
+
+@pytest.fixture(scope="module")
+def checkout(megatron_lm_checkout):
+    if not in_range(installed_megatron_core_version(), ">=0.19,<0.20"):
+        pytest.skip(f"the audit of Megatron-LM's RL loop targets megatron-core 0.19; installed "
+                    f"{installed_megatron_core_version()}")
+    return megatron_lm_checkout
+
+
+def _audit(checkout, tmp_path, name: str, flags: list, dp: int = 2) -> tuple:
+    path = tmp_path / f"{name}.json"
+    out = subprocess.run([sys.executable, "-m", "megatron_pg_agg.audit", "megatron-lm", "--dp", str(dp),
+                          "--json", str(path), "--", "--megatron-lm", str(checkout), *MODEL, *flags],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return out, (json.loads(path.read_text()) if out.returncode == 0 else None)
+
+
+def _token_losses(batch, rows: list) -> list:
+    """Megatron-LM's per-token GRPO loss (calculate_grpo_loss: PPO clip, k3 KL, no entropy) in float64."""
+    out = []
+    for i in rows:
+        cur, old, ref = batch.logprobs[i].double(), batch.old_logprobs[i].double(), batch.ref_logprobs[i].double()
+        ratio, adv = (cur - old).exp(), float(batch.advantages[i])
+        pg = -torch.minimum(ratio * adv, ratio.clamp(1 - EPS, 1 + EPS) * adv)
+        out.append((pg + BETA * ((ref - cur).exp() - (ref - cur) - 1)) * batch.masks[i])
+    return out
+
+
+@pytest.fixture(scope="module")
+def mean_of_means(checkout, tmp_path_factory):
+    flags = ["--micro-batch-size", "2", "--global-batch-size", "16", "--grpo-group-size", "4",
+             "--grpo-prompts-per-step", "8"]
+    return _audit(checkout, tmp_path_factory.mktemp("audit"), "mom", flags)
+
+
+def test_the_rl_loop_without_per_token_loss_moves_and_the_plugin_does_not(mean_of_means):
+    out, data = mean_of_means
+    assert out.returncode == 0, out.stderr[-3000:]
+    batch = synthetic_batch(BatchShape(4, 8, 128))
+    # the configured split (micro-batch 2, DP 2): step 0 is rows 0-7 of rank 0 and rows 16-23 of rank 1
+    means = []
+    for rows in ([0, 1], [2, 3], [4, 5], [6, 7], [16, 17], [18, 19], [20, 21], [22, 23]):
+        tokens = sum(int(batch.masks[i].sum()) for i in rows)
+        means.append(float(sum(t.sum() for t in _token_losses(batch, rows))) / max(tokens, 1))
+    want = sum(means[:4]) / 4 / 2 + sum(means[4:]) / 4 / 2
+    got = data["splits"][0]["step_objectives"][0]
+    assert abs(got - want) <= 1e-5 * max(abs(want), 0.01), (got, want)
+    assert data["spread"] > 0.05, data["spread"]
+    assert data["plugin_spread"] < 1e-6, data["plugin_spread"]
+    # the plug-in: a token mean over the first 16 rows (groups 0-3), whatever the split
+    rows = list(range(16))
+    token_mean = float(sum(t.sum() for t in _token_losses(batch, rows))) / sum(int(batch.masks[i].sum()) for i in rows)
+    for split in data["plugin_splits"]:
+        assert abs(split["step_objectives"][0] - token_mean) <= 1e-9 * max(abs(token_mean), 0.01), split
+    assert "a mean of micro-batch token means" in data["stock"]
+    assert "--calculate-per-token-loss" in data["fix"]
+    assert "megatron_pg_agg audit: megatron-lm" in out.stdout and "worst spread" in out.stdout
+
+
+def test_per_token_loss_still_cuts_groups_and_moves_with_the_dp_size(checkout, tmp_path):
+    """Groups of 4, --global-batch-size 6: DP 1 and DP 2 put other rows in a step, cutting groups; at one
+    DP size the micro-batch size moves the objective only through the all-masked micro-batches' count."""
+    flags = ["--calculate-per-token-loss", "--micro-batch-size", "1", "--global-batch-size", "6",
+             "--grpo-group-size", "4", "--grpo-prompts-per-step", "3"]
+    out, data = _audit(checkout, tmp_path, "ptl", flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    names = [s["split"] for s in data["splits"]]
+    assert "micro-batch 1, DP 2" == names[0] and "micro-batch 1, DP 1" in names
+    assert data["cut_groups"]["micro-batch 1, DP 1"] == ["group 1 over steps [0, 1]"]
+    assert len(data["cut_groups"]["micro-batch 1, DP 2"]) == 3  # rows 0-2 and 6-8 share step 0
+    dp1 = data["splits"][names.index("micro-batch 1, DP 1")]
+    assert dp1["relative"] > 0.01
+    # at one DP size only Megatron-LM's count of 1 for an all-masked micro-batch moves it: at micro-batch size 1
+    # rows 1 and 8 (fully masked) are such micro-batches, one per step; at size 2 they share with a valid row
+    batch = synthetic_batch(BatchShape(4, 3, 128))
+    mbs2 = data["splits"][names.index("micro-batch 2, DP 1")]["step_objectives"]
+    for s, rows in enumerate((range(0, 6), range(6, 12))):
+        assert sum(1 for i in rows if not batch.masks[i].any()) == 1
+        n = sum(int(batch.masks[i].sum()) for i in rows)
+        want = mbs2[s] * n / (n + 1)
+        assert abs(dp1["step_objectives"][s] - want) <= 1e-6 * max(abs(want), 0.01), (s, dp1, mbs2)
+    assert data["plugin_spread"] < 1e-6
+
+
+def test_a_flag_megatron_lm_does_not_know_is_refused_with_its_own_message(checkout, tmp_path):
+    out, _ = _audit(checkout, tmp_path, "bad", ["--grpo-group-sise", "4"])
+    assert out.returncode == 2 and "train_rl.py: error: unrecognized arguments: --grpo-group-sise 4" in out.stderr
+
+
+def test_a_missing_checkout_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_pg_agg.audit", "megatron-lm", "--", "--megatron-lm",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("refusing to audit megatron-lm:") and len(out.stderr.strip().splitlines()) == 1
