@@ -6,11 +6,18 @@ WHY
     (``destroy_model_parallel``) and initialises the next one, then seeds megatron's RNG tracker
     the way Megatron-LM does. On CPU the RNG tracker needs the ``cpu_gloo`` patch
     (``megatron_pg_agg.patches``).
+
+    A torn-down layout's models must be freeable: megatron-core caches rotary ``forward`` per
+    module instance (``functools.lru_cache`` on the method, up to 32 calls per class), which keeps
+    a finished model alive, and through its hooks the DDP wrapper, its buckets and every process
+    group they hold: on gloo each group keeps 3 threads, so runs back to back in one process grew
+    to thousands of threads. :func:`teardown_parallel` empties those caches.
 """
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Optional
 
@@ -20,7 +27,15 @@ from megatron.core import parallel_state, tensor_parallel
 
 from .layout import ParallelSizes
 
-__all__ = ["ParallelSizes", "free_port", "init_distributed", "init_parallel", "teardown_parallel"]
+__all__ = ["ParallelSizes", "free_port", "init_distributed", "init_parallel", "release_module_caches",
+           "teardown_parallel"]
+
+MODULE_CACHES = (
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding"),
+)
+"""megatron-core classes whose ``forward`` is an ``lru_cache`` keyed by the module instance
+(module, class name; both releases 0.16 and 0.19)."""
 
 
 def free_port() -> int:
@@ -89,9 +104,21 @@ def init_parallel(
 
 
 def teardown_parallel() -> None:
-    """Forget megatron's model-parallel state (the process group itself stays)."""
+    """Forget megatron's model-parallel state and the module caches that would keep its models
+    alive (the process group itself stays)."""
+    release_module_caches()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def release_module_caches() -> None:
+    """Empty the :data:`MODULE_CACHES` of the classes that are loaded (see the module docstring):
+    a model nothing else holds can then be collected with its process groups."""
+    for module_name, class_name in MODULE_CACHES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        cache_clear = getattr(getattr(cls, "forward", None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
 
 
 def shutdown_distributed() -> None:

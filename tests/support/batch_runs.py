@@ -8,10 +8,14 @@ run only, :func:`run_environment`); rank 0 writes ``{name: exit status}``
 to RESULT.json. Each worker says how a run is made and how the next one is reset."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 from unittest import mock
+
+THREADS_VARIABLE = "PG_AGG_TEST_THREADS"
+"""A run's ``"env"`` variable: where :func:`end_run` writes the rank's thread count."""
 
 
 def exit_status(main, argv: list) -> int:
@@ -27,6 +31,41 @@ def run_environment(run: dict):
     """The run's ``"env"`` ({name: value}) set in ``os.environ`` for the run, restored after it
     (a refused start's WORLD_SIZE, say): a context manager."""
     return mock.patch.dict(os.environ, run.get("env") or {})
+
+
+def release_run() -> None:
+    """Free the finished run's model and process groups before the next run builds its own.
+
+    On gloo every process group keeps 3 threads until it is destroyed and no object holds it;
+    without this a worker kept every run's groups (49 threads per trainer run of a TP2 layout,
+    thousands after a batch). So: every group but the default one is destroyed (Megatron-LM's
+    runs keep the default group, as its in-process restart does, and make their model-parallel
+    groups anew each time; torch lists the groups only in its private ``_world``), megatron-core's
+    module caches are emptied (they pin the model, :mod:`megatron_pg_agg.megatron.parallel` says
+    how), and the model's reference cycles (module, DDP hooks, buckets) are collected now rather
+    than at some later full collection."""
+    import torch.distributed as dist  # noqa: PLC0415 (the frame itself imports no torch)
+    from torch.distributed.distributed_c10d import _world  # noqa: PLC0415
+
+    from megatron_pg_agg.megatron.parallel import release_module_caches  # noqa: PLC0415
+
+    if dist.is_initialized():
+        for group in list(_world.pg_map):
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+    release_module_caches()
+    gc.collect()
+
+
+def end_run() -> None:
+    """After each run: :func:`release_run`, then, with ``PG_AGG_TEST_THREADS=PREFIX`` in the run's
+    ``"env"``, this rank's thread count (``/proc/self/task``, Linux) written to ``PREFIX.rankR``
+    (tests/distributed/test_harness_threads.py)."""
+    release_run()
+    prefix = os.environ.get(THREADS_VARIABLE)
+    if prefix:
+        with open(f"{prefix}.rank{os.environ.get('RANK', '0')}", "w") as f:
+            f.write(str(len(os.listdir("/proc/self/task"))))
 
 
 def announce(run: dict) -> None:

@@ -8,6 +8,9 @@ with): its checks, process group, model, steps and close, which destroys the pro
 next run makes a new one on a new rendezvous port (a new group on torchrun's own store would read
 the old group's keys). Importing torch and megatron-core costs most of a 2-core launch; a run
 after that costs ~1 s. Rank 0 writes ``{name: exit status}`` to RESULT.json.
+
+After each run its model and process groups are freed (``batch_runs.end_run``, which also
+records the rank's thread count for tests/distributed/test_harness_threads.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 
 from megatron_pg_agg.online.cli import main
 from megatron_pg_agg.training import trainer
-from tests.support.batch_runs import announce, exit_status, run_environment, serve
+from tests.support.batch_runs import announce, end_run, exit_status, run_environment, serve
 from tests.support.whole_grads import whole_named_grads, whole_named_params
 
 GRADS_VARIABLE = "PG_AGG_TEST_GRADS"
@@ -51,6 +54,7 @@ def run_all(runs: list) -> dict:
         announce(run)
         with run_environment(run):
             status[run["name"]] = exit_status(main, list(run["argv"]))
+            end_run()
     return status
 
 
