@@ -137,8 +137,10 @@ def _weights_from_layout(layout: TokenLayout, mode: str, divisor: Optional[float
     return TokenWeights(coef.reshape(layout.shape), count.reshape(layout.shape), mode)
 
 
-def token_weights(
+def _step_layout(
     loss_mask: torch.Tensor,
+    loss: Optional[torch.Tensor] = None,
+    /,
     *,
     mode: str = TOKEN_MEAN,
     cu_seqlens: Optional[torch.Tensor] = None,
@@ -146,22 +148,29 @@ def token_weights(
     divisor: Optional[float] = None,
     denominator_mask: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
-) -> TokenWeights:
+) -> tuple[TokenLayout, str, Optional[float]]:
+    """The checked layout, mode and divisor of a step or part: the keyword arguments of
+    :func:`token_weights` and :func:`aggregate`, their names and defaults written here once
+    (``loss``, :func:`aggregate`'s, is positional-only: no keyword of theirs can pass it)."""
+    mode, divisor = resolve_mode(mode, divisor)
+    layout = build_layout(loss_mask, mode=mode, cu_seqlens=cu_seqlens, group_sizes=group_sizes,
+                          denominator_mask=denominator_mask, validate=validate, loss=loss)
+    return layout, mode, divisor
+
+
+def token_weights(loss_mask: torch.Tensor, **step) -> TokenWeights:
     """Per-token ``(coef, count)`` for a whole optimizer step (token form, module docstring).
 
     Call it once per step, before the step is cut into microbatches, ranks or CP shards; slice the
-    result like the token tensors. ``loss_mask`` is the numerator mask, ``denominator_mask`` the
-    original mask (defaults to ``loss_mask``). Masks are padded ``[B, S]`` (rows are sequences) or
-    packed ``[T]`` with ``cu_seqlens [S+1]`` (required by every mode but token_mean).
-    ``group_sizes`` lists consecutive sequences per prompt group (required by prompt_mean).
-    ``validate=None`` runs the value checks on host tensors only (see :mod:`megatron_pg_agg.core.token_layout`).
+    result like the token tensors. ``loss_mask`` is the numerator mask. Keyword arguments:
+    ``mode`` (default token_mean); ``denominator_mask``, the original mask (defaults to
+    ``loss_mask``); ``cu_seqlens``: masks are padded ``[B, S]`` (rows are sequences) or packed
+    ``[T]`` with ``cu_seqlens [S+1]`` (required by every mode but token_mean); ``group_sizes``,
+    consecutive sequences per prompt group (required by prompt_mean); ``divisor`` (constant's
+    ``L``); ``validate=None`` runs the value checks on host tensors only (see
+    :mod:`megatron_pg_agg.core.token_layout`).
     """
-    mode, divisor = resolve_mode(mode, divisor)
-    layout = build_layout(
-        loss_mask, mode=mode, cu_seqlens=cu_seqlens, group_sizes=group_sizes,
-        denominator_mask=denominator_mask, validate=validate,
-    )
-    return _weights_from_layout(layout, mode, divisor)
+    return _weights_from_layout(*_step_layout(loss_mask, **step))
 
 
 class _MaskedDot(torch.autograd.Function):
@@ -217,30 +226,16 @@ def weighted_sum(
     return _masked_weighted_sum(loss, numerator, weights)
 
 
-def aggregate(
-    loss: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    mode: str = TOKEN_MEAN,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    group_sizes: GroupSizes = None,
-    divisor: Optional[float] = None,
-    denominator_mask: Optional[torch.Tensor] = None,
-    validate: Optional[bool] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(loss: torch.Tensor, loss_mask: torch.Tensor, **step) -> tuple[torch.Tensor, torch.Tensor]:
     """Local form: ``(local_mean, weight)`` for a call that holds whole units.
 
     ``weight`` is an int32 scalar (valid tokens, active sequences or active groups) and
     ``local_mean`` is 0 when it is 0. Parts combine as ``sum(mean * weight) / sum(weight)``.
     token_mean keeps the loss dtype and equals ``where(mask, loss, 0).sum() / count`` exactly;
-    the other modes compute in float32. Arguments as in :func:`token_weights`.
+    the other modes compute in float32. Keyword arguments as in :func:`token_weights`.
     """
     check_loss(loss)
-    mode, divisor = resolve_mode(mode, divisor)
-    layout = build_layout(
-        loss_mask, mode=mode, cu_seqlens=cu_seqlens, group_sizes=group_sizes,
-        denominator_mask=denominator_mask, validate=validate, loss=loss,
-    )
+    layout, mode, divisor = _step_layout(loss_mask, loss, **step)
     if mode == TOKEN_MEAN:
         weight = layout.denominator.sum(dtype=torch.int32)
         loss_sum = torch.where(layout.numerator.reshape(loss.shape), loss, 0.0).sum()
