@@ -18,6 +18,7 @@ WHY
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import fields
 from typing import Optional
 
@@ -44,6 +45,7 @@ __all__ = [
     "hf_contract_settings",
     "te_usable",
     "transformer_config",
+    "full_param_layouts",
     "wrap_in_ddp",
 ]
 
@@ -234,16 +236,51 @@ def wrap_in_ddp(
     ddp_config: Optional[DistributedDataParallelConfig] = None,
 ) -> list[DistributedDataParallel]:
     """Wrap each chunk in megatron-core DDP (bucketing only for the first chunk, as Megatron-LM),
-    and give the schedules the chunks' sync functions (:func:`attach_sync_funcs`)."""
+    with the distributed optimizer's parameter layout where the release takes one
+    (:func:`full_param_layouts`), and give the schedules the chunks' sync functions
+    (:func:`attach_sync_funcs`)."""
     ddp_config = ddp_config if ddp_config is not None else default_ddp_config()
+    layouts = full_param_layouts(chunks, config, ddp_config)
     model = [
         DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0,
+            **({} if layout is None else {"full_param_layout": layout}),
         )
-        for i, chunk in enumerate(chunks)
+        for i, (chunk, layout) in enumerate(zip(chunks, layouts))
     ]
     attach_sync_funcs(model, config)
     return model
+
+
+def full_param_layouts(chunks: list, config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> list:
+    """Per chunk, the distributed optimizer's layout of its parameters in DDP's buffers, as
+    Megatron-LM's ``wrap_model_chunks_with_ddp`` computes it (megatron-core 0.19 on; DDP without
+    one computes the same itself and warns "full_param_layout not provided" on every rank);
+    ``None`` for each chunk without the distributed optimizer or on a release whose DDP takes no
+    layout. The inputs are DDP's own, from its own process groups: its bucket size
+    (``bucket_size``, default ``max(4e7, 1e6 * DP)``; none without ``overlap_grad_reduce``, after
+    the first chunk or past the first pipeline stage) and the intra-instance DP x CP and expert-DP
+    sizes its buffers shard over."""
+    if not ddp_config.use_distributed_optimizer or "full_param_layout" not in _ddp_parameters():
+        return [None] * len(chunks)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 (0.19 on)
+    from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: PLC0415
+
+    groups = ProcessGroupCollection.setup_process_groups_for_ddp(None, config, ddp_config)
+    bucket_size = ddp_config.bucket_size
+    if bucket_size is None:
+        bucket_size = max(40_000_000, 1_000_000 * groups["dp_group"].size())
+    if not ddp_config.overlap_grad_reduce or groups["pp_group"].rank() > 0:
+        bucket_size = None
+    return [DistributedOptimizer.compute_full_param_layout(
+        [p for p in chunk.parameters() if p.requires_grad], bucket_size if i == 0 else None,
+        groups["intra_dp_cp_group"].size(), ddp_config,
+        expert_data_parallel_world_size=groups["intra_expt_dp_group"].size()) for i, chunk in enumerate(chunks)]
+
+
+def _ddp_parameters() -> frozenset:
+    """The keyword parameters of this release's ``DistributedDataParallel``."""
+    return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
 def _one_or_list(funcs: list):
