@@ -27,7 +27,6 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,49 +39,17 @@ from megatron_pg_agg.data.rollouts import Rollout, RolloutBatch
 from megatron_pg_agg.integrations.step_weights import gather_over_dp
 from megatron_pg_agg.megatron.logprob_pass import planned_logprobs
 from megatron_pg_agg.megatron.model import gather_parameters
+from megatron_pg_agg.training.run_config import OnlineConfig
 from megatron_pg_agg.training.trainer import RunState, Session, _iteration_planner, new_optimizer, train_step
 
 from .sampler import sample_responses
 
-__all__ = ["GrpoConfig", "OnlineRun", "group_advantages", "step_batch"]
+__all__ = ["OnlineRun", "group_advantages", "step_batch"]
 
 logger = logging.getLogger(__name__)
 
 STD_EPS = 1e-6
 """GRPO's ``eps`` in ``(r - mean) / (std + eps)``."""
-
-
-@dataclass(frozen=True)
-class GrpoConfig:
-    """One online GRPO run's RL settings (the loss itself is the session's ``cfg.loss``)."""
-
-    prompts_per_step: int = 32
-    """Prompts (groups) per RL step; must divide evenly over the DP ranks."""
-    group_size: int = 8
-    """Responses sampled per prompt."""
-    updates_per_batch: int = 2
-    """Optimizer steps (PPO epochs) on each sampled batch, each over the whole batch."""
-    steps: int = 150
-    """RL steps (sampled batches)."""
-    divide_by_std: bool = True
-    """GRPO's ``A = (r - mean) / (std + eps)``; False: Dr. GRPO's ``A = r - mean``."""
-    lr: float = 1e-3
-    """Adam learning rate of the RL phase."""
-    warmup_steps: int = 60
-    """Supervised warm-up steps (each one update on ``warmup_batch`` fresh demonstrations)."""
-    warmup_batch: int = 256
-    """Demonstrations per warm-up step."""
-    warmup_lr: float = 3e-3
-    """Adam learning rate of the warm-up."""
-
-    def __post_init__(self):
-        for name in ("prompts_per_step", "group_size", "updates_per_batch", "steps", "warmup_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
-        if self.group_size < 2:
-            raise ValueError("group_size must be at least 2 (group-relative advantages)")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, divide_by_std: bool) -> torch.Tensor:
@@ -166,7 +133,7 @@ class OnlineRun:
                             itertools.count(self.s.state.iteration), enabled=False))
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, cfg: GrpoConfig, seed: int, weights: Optional[list] = None) -> dict:
+    def warm_up(self, cfg: OnlineConfig, seed: int, weights: Optional[list] = None) -> dict:
         """Supervised warm-up on fresh demonstrations drawn under ``seed`` (module docstring), from
         ``weights`` (None: the current ones); returns the last step's record."""
         self.reset(weights, PGLossConfig(mode="token_mean"), cfg.warmup_lr)
@@ -181,7 +148,7 @@ class OnlineRun:
         return record
 
     # ------------------------------------------------------------------ RL
-    def rl_step(self, cfg: GrpoConfig, seed: int, step: int, *, check_on_policy: bool = False) -> dict:
+    def rl_step(self, cfg: OnlineConfig, seed: int, step: int, *, check_on_policy: bool = False) -> dict:
         """Sample, score and train on one batch (module docstring); returns the step's record.
 
         ``check_on_policy``: the record also holds ``on_policy_error``, the largest
@@ -196,7 +163,7 @@ class OnlineRun:
                 "grad_norm": updates[0]["grad_norm"], "clip_fraction_last": updates[-1].get("clip_fraction"),
                 **checks, "sample_s": sample_s, "step_s": time.perf_counter() - t0}
 
-    def iteration(self, cfg: GrpoConfig, seed: int) -> dict:
+    def iteration(self, cfg: OnlineConfig, seed: int) -> dict:
         """The main job's iteration (``launch/train_actor.py`` online): RL step
         ``s.state.iteration`` of ``seed`` (:meth:`rl_step`'s sampling, scoring and updates). The
         record is the trainer's record of the batch's last update (its ``iteration`` the number of
@@ -209,7 +176,7 @@ class OnlineRun:
         return {**updates[-1], "rollout_step": step, "objective_first": updates[0]["objective"], **stats,
                 "sample_s": sample_s, "iteration_s": time.perf_counter() - t0}
 
-    def _rl_updates(self, cfg: GrpoConfig, seed: int, step: int, *, check_on_policy: bool = False) -> tuple:
+    def _rl_updates(self, cfg: OnlineConfig, seed: int, step: int, *, check_on_policy: bool = False) -> tuple:
         """RL step ``step``: ``(response stats, the updates' trainer records, on-policy checks,
         sampling seconds)``. The ``updates_per_batch`` updates train one plan of the batch; the
         iteration counter advances once, with the last."""
@@ -218,7 +185,7 @@ class OnlineRun:
         sample_s = time.perf_counter() - t0
         group_targets = [t for t in targets for _ in range(cfg.group_size)]
         rewards = self.task.scores(group_targets, responses)
-        advantages = group_advantages(rewards, cfg.group_size, divide_by_std=cfg.divide_by_std)
+        advantages = group_advantages(rewards, cfg.group_size, divide_by_std=cfg.advantage_std)
         batch = step_batch(self.task, targets, responses, logprobs, advantages, cfg.group_size,
                            vocab_size=self.s.cfg.model.vocab_size)
         self._set_batch(batch, step)
@@ -231,14 +198,14 @@ class OnlineRun:
             checks["moved_error"] = self._logprob_error(plan)
         return response_stats(rewards, responses, self.task), updates, checks, sample_s
 
-    def evaluate(self, cfg: GrpoConfig, seed: int) -> dict:
+    def evaluate(self, cfg: OnlineConfig, seed: int) -> dict:
         """:func:`response_stats` of one step's worth of samples from the current weights, on
         prompts and draws of their own (nothing is trained): the warm start's accuracy."""
         targets, responses, _ = self._sample(cfg, (seed, 4), (seed, 5))
         rewards = self.task.scores([t for t in targets for _ in range(cfg.group_size)], responses)
         return response_stats(rewards, responses, self.task)
 
-    def _sample(self, cfg: GrpoConfig, prompt_seed: tuple, draw_seed: tuple) -> tuple:
+    def _sample(self, cfg: OnlineConfig, prompt_seed: tuple, draw_seed: tuple) -> tuple:
         """``(targets, responses, behaviour log-probs)`` of a whole step, on every rank: the same
         ``prompts_per_step`` targets everywhere (seeded by ``prompt_seed``), each DP rank sampling
         ``group_size`` responses for its share (seeded by ``draw_seed`` and the DP rank), gathered

@@ -22,20 +22,11 @@ from megatron_pg_agg.data.reach import ReachTask
 from megatron_pg_agg.training.run_config import RunConfig
 from megatron_pg_agg.training.trainer import run_iterations, setup
 
-from .grpo import GrpoConfig, OnlineRun
+from .grpo import OnlineRun
 
-__all__ = ["grpo_config", "start_line", "train_online"]
+__all__ = ["start_line", "train_online"]
 
 logger = logging.getLogger(__name__)
-
-
-def grpo_config(cfg: RunConfig) -> GrpoConfig:
-    """The online run's :class:`.grpo.GrpoConfig` from its checked :class:`RunConfig`."""
-    online = cfg.online
-    return GrpoConfig(prompts_per_step=online.prompts_per_step, group_size=online.group_size,
-                      updates_per_batch=online.updates_per_batch, steps=cfg.training.train_iters,
-                      divide_by_std=online.advantage_std, lr=cfg.training.lr,
-                      warmup_steps=online.warmup_steps, warmup_lr=online.warmup_lr)
 
 
 def start_line(cfg: RunConfig) -> str:
@@ -49,17 +40,17 @@ def start_line(cfg: RunConfig) -> str:
 def train_online(cfg: RunConfig) -> dict:
     """The whole online job (module docstring). Returns rank 0's last metrics record."""
     run = OnlineRun(setup(cfg, steps={}, data=start_line(cfg)), ReachTask())  # setup checks cfg first
-    grpo = grpo_config(cfg)
+    online = cfg.online
     seed = cfg.training.seed
     if run.s.state.iteration == 0:
         t0 = time.perf_counter()
-        if grpo.warmup_steps:
-            logger.info(f"warm-up: {grpo.warmup_steps} supervised steps on {grpo.warmup_batch} of the task's "
-                        f"demonstrations each (token_mean, lr {grpo.warmup_lr:g}); the RL iterations follow")
-            run.warm_up(grpo, seed)
-        start = run.evaluate(grpo, seed)
+        if online.warmup_steps:
+            logger.info(f"warm-up: {online.warmup_steps} supervised steps on {online.warmup_batch} of the task's "
+                        f"demonstrations each (token_mean, lr {online.warmup_lr:g}); the RL iterations follow")
+            run.warm_up(online, seed)
+        start = run.evaluate(online, seed)
         logger.info(f"warm-up done in {time.perf_counter() - t0:.0f} s: accuracy {start['accuracy']:.3f}, "
                     f"response length {start['response_length']:.1f} (sampled, "
                     f"{start['responses']} responses); RL: --lr {cfg.training.lr:g}, fresh Adam")
         run.reset(None, cfg.loss, cfg.training.lr)
-    return run_iterations(run.s, lambda: run.iteration(grpo, seed))
+    return run_iterations(run.s, lambda: run.iteration(online, seed))

@@ -24,18 +24,19 @@ from megatron_pg_agg.training.trainer import setup
 from megatron_pg_agg.training.worker_process import release_process_group
 
 from .comparison import OUTPUT_KIND, elapsed, remove_own_temp, trainer_flags, write_outputs, write_record
-from .grpo import GrpoConfig, OnlineRun
+from .grpo import OnlineRun
 
 logger = logging.getLogger(__name__)
 
 
-def online_problems(cfg: RunConfig, grpo: GrpoConfig, world: int) -> list:
+def online_problems(cfg: RunConfig, steps: int, world: int) -> list:
     """What the online entry refuses before any process group: the trainer's own online checks
     (:meth:`RunConfig.online_problems`: the sampler runs the model's whole forward on every rank,
-    a different number of times on each; the prompts split evenly over DP), and ``--rollouts``."""
+    a different number of times on each; the prompts split evenly over DP), ``--steps`` below 1,
+    and ``--rollouts``."""
     if cfg.online is None:
         return ["--rollouts: grpo_reach samples its rollouts from the live policy; it reads no rollout file"]
-    return cfg.online_problems(world)
+    return cfg.online_problems(world) + ([f"--steps {steps} must be >= 1"] if steps < 1 else [])
 
 
 def run_comparison(args, variants: list, extra: list) -> int:
@@ -46,16 +47,14 @@ def run_comparison(args, variants: list, extra: list) -> int:
                   "--updates-per-batch", args.updates_per_batch, "--warmup-steps", args.warmup_steps,
                   "--warmup-lr", args.warmup_lr]
         base = RunConfig.from_args(parse_flags(trainer_flags(task, "token_mean", [*map(str, online), *extra])))
-        grpo = GrpoConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                          updates_per_batch=args.updates_per_batch, steps=args.steps, lr=args.rl_lr,
-                          warmup_steps=args.warmup_steps, warmup_lr=args.warmup_lr)
-        problems = online_problems(base, grpo, world)
+        problems = online_problems(base, args.steps, world)
         problems += output_folder_problem(args.out, "--out", kind=OUTPUT_KIND)
         if problems:
             raise StartupError(problems)
     except (StartupError, ValueError) as err:
         logger.error(str(err))
         return 2
+    grpo = base.online
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     try:
         session = setup(base, steps={}, data=f"online GRPO on the reach task: {len(variants)} variant(s), each "
@@ -69,8 +68,8 @@ def run_comparison(args, variants: list, extra: list) -> int:
     initial = run.snapshot()  # the trainer's --seed initialisation: every seed's warm-up starts here
     rank0 = dist.get_rank() == 0
     temp = new_output_folder(args.out) if rank0 else None
-    progress = _Progress(len(seeds) * len(variants) * grpo.steps, args.log_every)
-    logger.info(f"{len(seeds)} seed(s) x {len(variants)} variant(s) x {grpo.steps} steps, "
+    progress = _Progress(len(seeds) * len(variants) * args.steps, args.log_every)
+    logger.info(f"{len(seeds)} seed(s) x {len(variants)} variant(s) x {args.steps} steps, "
                 f"{grpo.prompts_per_step} prompts x {grpo.group_size} samples per step, "
                 f"DP={run.dp_size}; records: {os.path.join(temp, 'steps.jsonl') if temp else ''}")
     try:
@@ -87,15 +86,15 @@ def run_comparison(args, variants: list, extra: list) -> int:
                 for variant in variants:
                     loss = PGLossConfig(mode=variant.mode,
                                         divisor=float(task.max_response_tokens) if variant.mode == "constant" else None)
-                    run.reset(start, loss, grpo.lr)
-                    cfg = dataclasses.replace(grpo, divide_by_std=variant.divide_by_std)
-                    for step in range(grpo.steps):
+                    run.reset(start, loss, args.rl_lr)
+                    cfg = dataclasses.replace(grpo, advantage_std=variant.divide_by_std)
+                    for step in range(args.steps):
                         check = args.check_on_policy_every > 0 and step % args.check_on_policy_every == 0
                         record = {"seed": seed, "variant": variant.name,
                                   **run.rl_step(cfg, seed, step, check_on_policy=check)}
                         write_record(out, record)
                         records.append(record)
-                        progress.step(record, grpo.steps)
+                        progress.step(record, args.steps)
         if rank0:
             _finish(args, temp, records)
     except OutputFolderError as err:

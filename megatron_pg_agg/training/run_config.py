@@ -486,7 +486,10 @@ class DataConfig:
 class OnlineConfig:
     """The online run (``launch/train_actor.py`` without ``--rollouts``): GRPO on the built-in reach
     task (:mod:`megatron_pg_agg.online`), each iteration's rollouts sampled from the live policy,
-    scored by the task's verifier, with group advantages; the loss is the run's ``--pg-*`` loss."""
+    scored by the task's verifier, with group advantages; the loss is the run's ``--pg-*`` loss.
+    The one type of the online settings: :class:`megatron_pg_agg.online.grpo.OnlineRun` and the
+    length-bias comparison (``launch/grpo_reach.py``) read them from here. Its checks are start-up
+    refusals (:meth:`RunConfig.online_problems`)."""
 
     prompts_per_step: int = 64
     """Prompts (groups) sampled per iteration (``--prompts-per-step``), split evenly over DP."""
@@ -500,6 +503,8 @@ class OnlineConfig:
     Skipped when ``--load`` resumes a run."""
     warmup_lr: float = 3e-3
     """Adam learning rate of the warm-up (``--warmup-lr``); the RL phase uses ``--lr``."""
+    warmup_batch: int = 256
+    """Demonstrations per warm-up step (no flag)."""
     advantage_std: bool = True
     """Group advantages divided by the group's reward std, GRPO's (``--advantage-std``);
     False: ``r - mean``, Dr. GRPO's (``--no-advantage-std``)."""

@@ -10,7 +10,9 @@ import torch
 
 from megatron_pg_agg.data.reach import BOS, EOS, ReachTask
 from megatron_pg_agg.online.comparison import VARIANTS, summary_rows, trainer_flags
-from megatron_pg_agg.online.grpo import GrpoConfig, group_advantages, response_stats, step_batch
+from megatron_pg_agg.online.grpo import group_advantages, response_stats, step_batch
+from megatron_pg_agg.online.run import online_problems
+from megatron_pg_agg.training.run_config import RunConfig, parse_flags
 
 TASK = ReachTask()
 
@@ -112,11 +114,14 @@ def test_response_stats_by_hand():
     assert math.isnan(response_stats(torch.ones(1), [climb(5)], TASK)["length_incorrect"])
 
 
-def test_grpo_config_refusals():
-    with pytest.raises(ValueError, match="group_size"):
-        GrpoConfig(group_size=1)
-    with pytest.raises(ValueError, match="steps"):
-        GrpoConfig(steps=0)
+def test_the_comparison_refuses_a_group_of_one_and_no_steps():
+    def problems(flags, steps):
+        return online_problems(RunConfig.from_args(parse_flags(trainer_flags(TASK, "token_mean", flags))), steps, 1)
+
+    assert problems([], 1) == []
+    assert problems(["--group-size", "1"], 0) == [
+        "--group-size must be >= 2 (group-relative advantages), --prompts-per-step and --updates-per-batch >= 1",
+        "--steps 0 must be >= 1"]
 
 
 def test_variants_are_the_papers_objectives():
