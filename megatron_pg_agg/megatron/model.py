@@ -254,7 +254,7 @@ def wrap_in_ddp(
 
 def full_param_layouts(chunks: list, config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> list:
     """Per chunk, the distributed optimizer's layout of its parameters in DDP's buffers, as
-    Megatron-LM's ``wrap_model_chunks_with_ddp`` computes it (megatron-core 0.19 on; DDP without
+    Megatron-LM's ``wrap_model_chunks_with_ddp`` computes it (megatron-core 0.18 on; DDP without
     one computes the same itself and warns "full_param_layout not provided" on every rank);
     ``None`` for each chunk without the distributed optimizer or on a release whose DDP takes no
     layout. The inputs are DDP's own, from its own process groups: its bucket size
@@ -263,7 +263,7 @@ def full_param_layouts(chunks: list, config: TransformerConfig, ddp_config: Dist
     sizes its buffers shard over."""
     if not ddp_config.use_distributed_optimizer or "full_param_layout" not in _ddp_parameters():
         return [None] * len(chunks)
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 (0.19 on)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 (0.18 on)
     from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: PLC0415
 
     groups = ProcessGroupCollection.setup_process_groups_for_ddp(None, config, ddp_config)

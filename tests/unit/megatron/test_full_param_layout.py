@@ -1,4 +1,4 @@
-"""The distributed optimizer's parameter layout handed to DDP (megatron-core 0.19 on) against the
+"""The distributed optimizer's parameter layout handed to DDP (megatron-core 0.18 on) against the
 one DDP computes itself without it, on the installed release's real GPTModel and DDP (one gloo
 rank): the same buffers (keys, parameters by name, index ranges, buckets), and no "full_param_layout
 not provided" warning. Catches a layout built from other inputs than DDP's (bucket size, a chunk
@@ -20,7 +20,7 @@ from megatron_pg_agg.patches import apply_megatron_patches, revert_megatron_patc
 from tests.support.rollouts import VOCAB
 
 pytestmark = pytest.mark.skipif("full_param_layout" not in _ddp_parameters(),
-                                reason="this release's DDP takes no full_param_layout (before 0.19)")
+                                reason="this release's DDP takes no full_param_layout (before 0.18)")
 WARNING = "full_param_layout not provided"
 
 
@@ -45,7 +45,7 @@ def _by_name(ddp: DistributedDataParallel) -> dict:
     names = {p: n for n, p in ddp.module.named_parameters()}
     return {key: ({names[p]: tuple(r) for p, r in layout.param_index_map.items()},
                   [tuple(b) for b in layout.bucket_indices], list(layout.per_bucket_numel_unpadded),
-                  list(layout.param_indices), layout.num_optimizer_shards)
+                  list(layout.param_indices), getattr(layout, "num_optimizer_shards", None))  # 0.19 on
             for key, layout in ddp.full_param_layout.layouts.items()}
 
 
