@@ -138,3 +138,15 @@ def add_pg_agg_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         # instance attribute: parse_args() goes through parse_known_args(), so both validate
         parser.parse_known_args = _validated(parser.parse_known_args, parser)
     return parser
+
+
+def flag_value(argv: list, flag: str):
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) on a raw command line; None if
+    absent (the Megatron-LM entries' checks before Megatron-LM parses, and the audit's)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value

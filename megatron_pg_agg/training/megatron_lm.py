@@ -50,7 +50,7 @@ from megatron_pg_agg.patches._megatron_lm_release import UnsupportedMegatronLM, 
 from megatron_pg_agg.patches.cpu import optimizer_cpu
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
-from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args
+from .args import add_pg_agg_args, add_plan_ahead_arg, config_from_args, flag_value
 from .logs import setup_logging
 
 # megatron.* (and the modules of megatron_pg_agg.megatron, which import it) are imported inside the
@@ -69,22 +69,11 @@ PG_PREFIX = "[pg]"
 # ----------------------------------------------------------------------------- the checkout
 
 
-def _flag_value(argv: list, flag: str) -> Optional[str]:
-    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) on a raw command line; None if absent."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def find_checkout(argv: list) -> str:
     """The Megatron-LM root from ``--megatron-lm PATH`` (or ``=PATH``), else ``$MEGATRON_LM_PATH``.
 
     Raises StartupError when neither names a directory holding ``megatron/training``."""
-    path = _flag_value(argv, "--megatron-lm")
+    path = flag_value(argv, "--megatron-lm")
     source = "--megatron-lm"
     if path is None:
         path, source = os.environ.get(ENV_CHECKOUT), ENV_CHECKOUT
@@ -468,8 +457,8 @@ def argv_problems(argv: list) -> list:
     """Refusals of the raw command line, before Megatron-LM parses it: combinations its own
     argument validation asserts on every rank as a traceback instead of a message."""
     problems = []
-    mtp = _flag_value(argv, "--mtp-num-layers")
-    position = _flag_value(argv, "--position-embedding-type")
+    mtp = flag_value(argv, "--mtp-num-layers")
+    position = flag_value(argv, "--position-embedding-type")
     if mtp is not None and (position or "learned_absolute") not in ("rope", "none"):
         shown = position or "learned_absolute (Megatron-LM's default)"
         problems.append(f"--mtp-num-layers {mtp} with --position-embedding-type {shown}: Megatron-LM's multi-token "
@@ -477,11 +466,11 @@ def argv_problems(argv: list) -> list:
                         "--position-embedding-type rope")
     # megatron-core's known silent bugs, from the raw flags: before Megatron-LM's own validation,
     # which (0.18+) would stop a one-process launch of TP 2 on the world size first
-    tp = _flag_value(argv, "--tensor-model-parallel-size") or "1"
+    tp = flag_value(argv, "--tensor-model-parallel-size") or "1"
     problems.extend(upstream_bugs.known_bug_problems(
-        softmax_type=_flag_value(argv, "--softmax-type"),
+        softmax_type=flag_value(argv, "--softmax-type"),
         tensor_model_parallel_size=int(tp) if tp.isdigit() else 1,  # not a number: Megatron-LM's parser says so
-        experimental_attention_variant=_flag_value(argv, "--experimental-attention-variant"),
+        experimental_attention_variant=flag_value(argv, "--experimental-attention-variant"),
         use_megatron_fsdp="--use-megatron-fsdp" in argv, use_torch_fsdp2="--use-torch-fsdp2" in argv,
         names=upstream_bugs.MEGATRON_LM_NAMES))
     return problems

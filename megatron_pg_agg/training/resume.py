@@ -54,12 +54,11 @@ FIXED = (
 """(flag, value of a run config) of every setting a resume must keep (the module docstring says why)."""
 
 HONOURED = (
-    ("data-parallel size", None),
     ("--bf16", lambda cfg: cfg.model.bf16),
     ("--use-distributed-optimizer", lambda cfg: cfg.parallel.use_distributed_optimizer),
     ("--ddp-bucket-size", lambda cfg: cfg.parallel.ddp_bucket_size),
 )
-"""Recorded and allowed to change (the data-parallel size is the world size over TP x PP x CP)."""
+"""Recorded and allowed to change, beside the data-parallel size (:func:`run_record`'s own entry)."""
 
 OPTIMIZER = (("--lr", "lr"), ("--weight-decay", "weight_decay"), ("--clip-grad", "clip_grad"))
 """(flag, TrainingConfig field) of the settings under Megatron-LM's rule."""
@@ -75,7 +74,7 @@ def run_record(cfg, world_size: int) -> dict:
         "world_size": world_size,
         "data_parallel_size": cfg.parallel.dp_size(world_size),
         "fixed": {flag: value(cfg) for flag, value in FIXED},
-        "honoured": {flag: value(cfg) for flag, value in HONOURED if value is not None},
+        "honoured": {flag: value(cfg) for flag, value in HONOURED},
         "optimizer": {flag: getattr(cfg.training, field) for flag, field in OPTIMIZER},
     }
 

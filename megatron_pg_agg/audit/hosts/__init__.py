@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from megatron_pg_agg.audit.batch import BatchShape
+from megatron_pg_agg.training.args import flag_value  # noqa: F401 (the hosts take it from here)
 
 __all__ = ["HOSTS", "HostConfig", "HostMissing", "HostRefusal", "command_line", "flag_value", "without_flags"]
 
@@ -53,17 +54,6 @@ def command_line(config, overrides: list, argv: list) -> list:
         with open(config) as f:
             args += shlex.split(f.read().replace("\\\n", " "), comments=True)
     return args + list(overrides) + list(argv)
-
-
-def flag_value(argv: list, flag: str):
-    """The last value of ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``; None if absent."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def without_flags(argv: list, flags: tuple) -> list:
