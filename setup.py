@@ -75,7 +75,8 @@ setup(
     install_requires=[TORCH, MEGATRON_CORE, "numpy", "packaging"],
     extras_require={
         # tensorboard: the Megatron-LM tests read the event files Megatron-LM's writer makes
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib", "tensorboard", *MEGATRON_LM,
+        # pytest-xdist: the README's test command and .ci/run run two test processes (-n 2)
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "matplotlib", "tensorboard", *MEGATRON_LM,
                  *(f"{p}; python_version >= '3.12'" for p in MEGATRON_RL)],
         # .ci/run's lint step (configuration in pyproject.toml)
         "lint": ["ruff>=0.15,<0.18"],

@@ -1,7 +1,8 @@
 """Wall time of the audit command per host, imports included (issue 59: under a minute each on 2 cores).
 
     python benchmarks/bench_audit.py [--python-megatron-lm PY] [--python-slime PY] [--python-verl PY] [--python-areal PY]
-        [--megatron-lm PATH] [--megatron-lm-slime PATH] [--slime PATH] [--repeat N]
+        [--python-nemo-rl PY] [--megatron-lm PATH] [--megatron-lm-slime PATH] [--slime PATH] [--nemo-rl PATH]
+        [--hosts HOST ...] [--repeat N]
 
 Each audit runs as a user runs it, in a fresh interpreter of the host's environment (``python -m
 megatron_pg_agg.audit``), on a stock config of the host's own examples (docs/audit.md shows their
@@ -16,6 +17,8 @@ output). A host that is not installed there is reported as such (exit 2, its one
 * verl: examples/grpo_trainer/run_qwen2-7b_math_megatron.sh's loss and batch overrides.
 * AReaL: examples/math/gsm8k_grpo_megatron.yaml as AReaL 1.0.4 takes it
   (tests/unit/audit/data/areal_gsm8k_grpo_megatron.yaml).
+* NeMo-RL: the checkout's own stock GRPO config (the audit's default: examples/configs/grpo_math_1B.yaml
+  with its Megatron policy on, where the checkout has no grpo_math_1B_megatron.yaml).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+HOSTS = ("megatron-lm", "slime", "verl", "areal", "nemo-rl")
 SLIME_QWEN3_4B = """
 # slime scripts/run-qwen3-4B.sh: the flags train.py receives that slime's and Megatron-LM's parsers read
 # (sglang's --sglang-* go to sglang's own parser); MODEL_ARGS: Qwen3-4B sizes (slime balances by FLOPs: --balance-data)
@@ -109,6 +113,8 @@ def _cases(args, folder: str) -> dict:
         "areal": (args.python_areal, "megatron_pg_agg.audit",
                   ["areal", "--config", str(ROOT / "tests" / "unit" / "audit" / "data" / "areal_gsm8k_grpo_megatron.yaml")],
                   dict(os.environ)),
+        "nemo-rl": (args.python_nemo_rl, "megatron_pg_agg.audit", ["nemo-rl"],
+                    {**os.environ, "MEGATRON_PG_AGG_NEMO_RL": args.nemo_rl or str(third_party / "nemo-rl-7ea279a")}),
     }
 
 
@@ -119,12 +125,16 @@ def main() -> int:
     p.add_argument("--megatron-lm-slime", help="the Megatron-LM checkout of slime's interpreter's megatron-core "
                                                "(default: ../shared/third_party/Megatron-LM)")
     p.add_argument("--slime", help="a slime checkout (default: ../shared/third_party/slime-624b824)")
-    for host in ("megatron-lm", "slime", "verl", "areal"):
+    p.add_argument("--nemo-rl", help="a NeMo-RL checkout (default: ../shared/third_party/nemo-rl-7ea279a)")
+    for host in HOSTS:
         p.add_argument(f"--python-{host}", default=sys.executable, help=f"the interpreter of {host}'s environment")
+    p.add_argument("--hosts", nargs="+", choices=HOSTS, default=list(HOSTS), help="the hosts to time (default: all)")
     p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         for host, (python, module, argv, env) in _cases(args, folder).items():
+            if host not in args.hosts:
+                continue
             for _ in range(args.repeat):
                 start = time.perf_counter()
                 out = subprocess.run([python, "-m", module, *argv], capture_output=True, text=True, cwd=ROOT, env=env)

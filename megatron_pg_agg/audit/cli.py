@@ -25,8 +25,13 @@ def parser() -> argparse.ArgumentParser:
                                     "slime: a file of command-line arguments)")
     p.add_argument("--json", help="write the report's data to this file")
     p.add_argument("--plot", help="write the figure to this PNG (needs matplotlib)")
-    p.add_argument("--dp", type=int, default=2, help="the run's data-parallel size, where the host's config "
-                                                     "does not hold it (Megatron-LM: world size / TP x PP x CP)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="the run's data-parallel size (Megatron-LM: world size / TP x PP x CP, not in its flags: "
+                        "default 2; AReaL, NeMo-RL: overrides the size their config gives; slime, verl: read from "
+                        "their config)")
+    p.add_argument("--loop", choices=("rl", "pretrain"), default=None,
+                   help="megatron-lm: the loop audited, its RL loop (train_rl.py) or pretrain() (pretrain_gpt.py); "
+                        "default: the script the command line after -- starts with, else rl")
     p.add_argument("--seed", type=int, default=0, help="the synthetic batch's seed")
     p.add_argument("--max-rows", type=int, default=512,
                    help="verl: above this many responses per rollout, audit the prompts per rollout and per "

@@ -62,10 +62,37 @@ def end_run() -> None:
     ``"env"``, this rank's thread count (``/proc/self/task``, Linux) written to ``PREFIX.rankR``
     (tests/distributed/test_harness_threads.py)."""
     release_run()
+    share_argument_docstrings()
     prefix = os.environ.get(THREADS_VARIABLE)
     if prefix:
         with open(f"{prefix}.rank{os.environ.get('RANK', '0')}", "w") as f:
             f.write(str(len(os.listdir("/proc/self/task"))))
+
+
+def share_argument_docstrings() -> None:
+    """Let the next runs of this process reuse the field docstrings Megatron-LM's ``parse_args`` read.
+
+    Why: from core_v0.16 ``parse_args`` builds its flags from megatron-core's config dataclasses and
+    reads each field's docstring by parsing the dataclass's source (``ArgumentGroupFactory.
+    _get_field_docstrings``: ``inspect.getsource`` + ``ast.parse`` of each class and its bases,
+    about 1 s of CPU per call on 2 cores), the same every time in one process. A batch worker
+    parses once per run; after the first run this keeps each class's result (a copy is handed
+    out, as the original returns a fresh dict). Test harness only: an entry parses once per process.
+    No-op before Megatron-LM's training side is imported or on a release without the factory."""
+    module = sys.modules.get("megatron.training.argument_utils")
+    factory = getattr(module, "ArgumentGroupFactory", None)
+    original = getattr(factory, "_get_field_docstrings", None)
+    if original is None or hasattr(original, "__wrapped__"):
+        return
+    read = {}
+
+    def field_docstrings(self, src_cfg_class):
+        if src_cfg_class not in read:
+            read[src_cfg_class] = original(self, src_cfg_class)
+        return dict(read[src_cfg_class])
+
+    field_docstrings.__wrapped__ = original
+    factory._get_field_docstrings = field_docstrings
 
 
 def announce(run: dict) -> None:

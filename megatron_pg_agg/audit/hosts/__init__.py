@@ -16,7 +16,8 @@ from megatron_pg_agg.training.args import flag_value  # noqa: F401 (the hosts ta
 __all__ = ["HOSTS", "HostConfig", "HostMissing", "HostRefusal", "command_line", "flag_value", "without_flags"]
 
 HOSTS = {"megatron-lm": "megatron_pg_agg.audit.hosts.megatron_lm", "slime": "megatron_pg_agg.audit.hosts.slime",
-         "verl": "megatron_pg_agg.audit.hosts.verl", "areal": "megatron_pg_agg.audit.hosts.areal"}
+         "verl": "megatron_pg_agg.audit.hosts.verl", "areal": "megatron_pg_agg.audit.hosts.areal",
+         "nemo-rl": "megatron_pg_agg.audit.hosts.nemo_rl"}
 """The command's HOST names and the module that audits each."""
 
 

@@ -1,4 +1,9 @@
-"""Megatron-LM's RL loop (train_rl.py, megatron/rl at core_v0.19) for the audit.
+"""Megatron-LM's RL loop (train_rl.py, megatron/rl at core_v0.19) for the audit; its ``pretrain()``
+(pretrain_gpt.py) in :mod:`megatron_pg_agg.audit.hosts.megatron_lm_pretrain`.
+
+Which loop: the command line's script, its first word when that ends in ``.py`` (``-- pretrain_gpt.py
+--num-layers ...``: ``pretrain()``; ``train_rl.py``: the RL loop; any other script is refused), else the
+audit's ``--loop pretrain|rl``, else the RL loop. A ``--loop`` that contradicts the script is refused.
 
 Config: Megatron-LM's own ``megatron.training.arguments.parse_args`` over the command line after
 ``--`` (``--config FILE``: a file of such arguments); a flag it does not know is refused by its
@@ -23,22 +28,40 @@ per-token loss and megatron-core's per-token reduction.
 from __future__ import annotations
 
 import math
-import sys
+import os
 import types
 from functools import partial
 
 import torch
 
 from megatron_pg_agg.audit.batch import BatchShape
-from megatron_pg_agg.audit.hosts import HostConfig, HostMissing, HostRefusal, command_line, without_flags
+from megatron_pg_agg.audit.hosts import (
+    HostConfig,
+    HostMissing,
+    HostRefusal,
+    command_line,
+    megatron_lm_pretrain,
+    without_flags,
+)
+from megatron_pg_agg.audit.hosts.megatron_lm_common import (
+    PAD,
+    checkout,
+    microbatch,
+    parse,
+    reduced,
+    splits,
+    token_mean_step,
+)
 from megatron_pg_agg.audit.measure import Split
 
 __all__ = ["INSTALL", "load", "plugin", "stock"]
 
 INSTALL = ("a Megatron-LM checkout at core_v0.19.x (--megatron-lm PATH or MEGATRON_LM_PATH) with "
            "pip install megatron-core==0.19.2 'megatron_pg_agg[megatron-rl]'")
-PAD = -1
-"""A padding row of ``prepare_data_for_update`` (all-masked)."""
+SCRIPTS = {"pretrain_gpt.py": "pretrain", "train_rl.py": "rl"}
+"""The Megatron-LM scripts a command line may start with, and the loop each names."""
+LOOP = "loop"
+"""The settings key that names the audited loop (set for ``pretrain()`` only)."""
 
 
 def _modules():
@@ -54,26 +77,22 @@ def _modules():
     return train_rl, rl_utils, schedules
 
 
-def _parse(argv: list):
-    """Megatron-LM's own parser over ``argv`` (its ``parse_args`` reads ``sys.argv``)."""
-    from megatron.training.arguments import parse_args  # noqa: PLC0415
+def _loop(full: list, options) -> tuple:
+    """``(loop, the command line less its script)`` by the rule of the module docstring."""
+    script = full[0] if full and full[0].endswith(".py") else None
+    named = SCRIPTS.get(os.path.basename(script)) if script else None
+    if script and named is None:
+        raise HostRefusal(f"{script}: the megatron-lm audit knows pretrain_gpt.py (pretrain()) and train_rl.py "
+                          "(the RL loop)")
+    chosen = getattr(options, "loop", None) or named or "rl"
+    if named and chosen != named:
+        raise HostRefusal(f"--loop {chosen} with a {os.path.basename(script)} command line")
+    return chosen, full[1:] if script else full
 
-    saved = sys.argv
-    sys.argv = ["train_rl.py", *argv]
-    try:
-        return parse_args()
-    finally:
-        sys.argv = saved
 
-
-def _checkout(argv: list) -> None:
-    from megatron_pg_agg.training.megatron_lm import find_checkout, use_checkout  # noqa: PLC0415
-    from megatron_pg_agg.training.run_config import StartupError  # noqa: PLC0415
-
-    try:
-        use_checkout(find_checkout(argv))
-    except StartupError as error:
-        raise HostMissing(f"{error}; install {INSTALL}") from None
+def _pretrain(config) -> bool:
+    """Whether ``config`` is a pretrain() config (its settings name the loop)."""
+    return LOOP in config.settings
 
 
 def _formula(args, dp: int) -> str:
@@ -93,28 +112,19 @@ def _stock(args, dp: int, gbs: int, mbs: int) -> str:
             "no --calculate-per-token-loss)")
 
 
-def _splits(args, dp: int) -> list:
-    gbs, mbs = args.global_batch_size, args.micro_batch_size
-    splits = []
-    for d in dict.fromkeys([dp, 1]):
-        for m in dict.fromkeys([mbs, max(1, mbs // 2), 2 * mbs]):
-            if gbs % (d * m) == 0:
-                splits.append(Split(f"micro-batch {m}, DP {d}", {"micro_batch_size": m, "dp": d,
-                                                                 "global_batch_size": gbs}))
-    return splits
-
-
 def load(config, overrides: list, argv: list, options) -> HostConfig:
     """Megatron-LM's parsed args and what the audit reads of them; the responses of the synthetic
     batch are up to half of ``--seq-length`` (the rest is the prompt's)."""
-    full = command_line(config, overrides, argv)
-    _checkout(full)
+    loop, full = _loop(command_line(config, overrides, argv), options)
+    if loop == "pretrain":
+        return megatron_lm_pretrain.load(full, options)
+    checkout(full, INSTALL)
     try:
         _modules()
     except ImportError as error:
         raise HostMissing(f"Megatron-LM's RL loop does not import here ({error}); install {INSTALL}") from None
-    args = _parse(without_flags(full, ("--megatron-lm",)))
-    dp = options.dp
+    args = parse(without_flags(full, ("--megatron-lm",)))
+    dp = 2 if options.dp is None else options.dp  # not in Megatron-LM's flags (cli.py's --dp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise HostRefusal(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{args.micro_batch_size} x DP {dp} (--dp): Megatron-LM refuses it")
@@ -126,7 +136,7 @@ def load(config, overrides: list, argv: list, options) -> HostConfig:
                 "DP (--dp)": dp}
     fix = ("torchrun ... launch/train_rl_actor.py --megatron-lm PATH <the same flags> --calculate-per-token-loss "
            "--pg-loss-aggregation token_mean   (docs/megatron-rl.md)")
-    return HostConfig(shape, _formula(args, dp), settings, _splits(args, dp), fix, args)
+    return HostConfig(shape, _formula(args, dp), settings, splits(args, dp), fix, args)
 
 
 def _partition(rows: int, dp: int, mbs: int, gbs: int) -> list:
@@ -142,23 +152,6 @@ def _partition(rows: int, dp: int, mbs: int, gbs: int) -> list:
     return steps
 
 
-def _microbatch(batch, rows: list, leaves: list, dtype) -> dict:
-    """[mbs, width] tensors of ``rows`` (PAD rows all-masked), as Megatron's data iterator yields them."""
-    width = max([batch.lengths[i] for i in rows if i != PAD] + [1])
-
-    def pad(values):
-        out = [torch.nn.functional.pad(v.to(dtype), (0, width - v.numel())) for v in values]
-        return torch.stack(out)
-
-    def per_row(source, fill):
-        return [source[i] if i != PAD else torch.full((1,), fill) for i in rows]
-
-    mask = [batch.masks[i].float() if i != PAD else torch.zeros(1) for i in rows]
-    adv = torch.stack([batch.advantages[i] if i != PAD else torch.zeros(()) for i in rows]).to(dtype)
-    return {"current": pad(per_row(leaves, 0.0)), "old": pad(per_row(batch.old_logprobs, 0.0)),
-            "ref": pad(per_row(batch.ref_logprobs, 0.0)), "mask": pad(mask), "advantages": adv}
-
-
 def _token_losses(rl_utils, args, mb: dict) -> tuple:
     return rl_utils.calculate_grpo_loss(
         mb["current"], mb["old"], mb["ref"], mb["advantages"], clamp_eps_lower=args.grpo_clamp_eps_lower,
@@ -166,18 +159,13 @@ def _token_losses(rl_utils, args, mb: dict) -> tuple:
         entropy_weight=args.grpo_entropy_term_weight)
 
 
-def _reduced(schedules, loss_func, output, per_token: bool, num_microbatches: int) -> tuple:
-    """megatron-core's ``forward_step_calc_loss`` on one micro-batch's loss function."""
-    config = types.SimpleNamespace(calculate_per_token_loss=per_token, timers=None)
-    return schedules.forward_step_calc_loss(None, output, loss_func, config, None, False, num_microbatches, [],
-                                            cp_group_size=1, is_last_stage=True)
-
-
 def stock(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
     from megatron.training.global_vars import set_args  # noqa: PLC0415
 
     from megatron_pg_agg.patches.cpu.cpu_torch import _TensorCudaIsIdentity  # noqa: PLC0415
 
+    if _pretrain(config):
+        return megatron_lm_pretrain.stock(config, batch, split, leaves)
     train_rl, rl_utils, schedules = _modules()
     args = types.SimpleNamespace(**vars(config.host))
     # train_rl.loss_func's optional checks need Megatron's rerun state machine; they change no value
@@ -190,11 +178,11 @@ def stock(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
         losses, counts = [], []
         for rank in step:
             for rows in rank:
-                mb = _microbatch(batch, rows, leaves, torch.float32)
+                mb = microbatch(batch, rows, leaves, torch.float32)
                 loss, kl, ratios, entropy, above, below = _token_losses(rl_utils, args, mb)
                 func = partial(train_rl.loss_func, mb["mask"], kl, ratios, entropy, above, below)
                 with _TensorCudaIsIdentity():  # loss_func moves its inputs with .cuda()
-                    out, count = _reduced(schedules, func, loss, args.calculate_per_token_loss, len(rank))
+                    out, count = reduced(schedules, func, loss, args.calculate_per_token_loss, len(rank))
                 losses.append(out)
                 counts.append(count)
         total = torch.stack(losses).sum()
@@ -204,41 +192,20 @@ def stock(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
 
 
 def plugin(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
-    from megatron_pg_agg.core.aggregation import token_weights  # noqa: PLC0415
-
+    if _pretrain(config):
+        return megatron_lm_pretrain.plugin(config, batch, split, leaves)
     _, rl_utils, schedules = _modules()
     args = config.host
     dp, mbs, gbs = split.settings["dp"], split.settings["micro_batch_size"], split.settings["global_batch_size"]
     objectives, steps = [], []
     for start in range(0, batch.rows, gbs):
         rows = list(range(start, min(start + gbs, batch.rows)))
-        mask = torch.cat([batch.masks[i] for i in rows])
-        cu = torch.tensor([0] + [batch.lengths[i] for i in rows]).cumsum(0)
-        weights = token_weights(mask, mode="token_mean", cu_seqlens=cu)
-        offset = dict(zip(rows, cu[:-1].tolist()))
         per_rank = math.ceil(len(rows) / dp)
-        losses, counts = [], []
-        for r in range(dp):
-            mine = rows[r * per_rank:(r + 1) * per_rank]
-            micro = [mine[a:a + mbs] for a in range(0, len(mine), mbs)]
-            for mb_rows in micro:
-                mb = _microbatch(batch, mb_rows, leaves, torch.float64)
-                loss = _token_losses(rl_utils, args, mb)[0]
-                coef = torch.zeros_like(loss)
-                count = torch.zeros((), dtype=torch.int64)
-                for j, i in enumerate(mb_rows):
-                    w = weights[int(offset[i]):int(offset[i]) + batch.lengths[i]]
-                    coef[j, :batch.lengths[i]] = w.coef.double()
-                    count = count + w.count.sum()
-                func = partial(_weighted, coef, count)
-                out, n = _reduced(schedules, func, loss, True, len(micro))
-                losses.append(out)
-                counts.append(n)
-        objectives.append(torch.stack(losses).sum() / torch.stack(counts).sum())
+        mine = [rows[r * per_rank:(r + 1) * per_rank] for r in range(dp)]
+        micro = [[m[a:a + mbs] for a in range(0, len(m), mbs)] for m in mine]
+        objectives.append(token_mean_step(schedules, batch, leaves, rows, micro,
+                                          lambda mb: _token_losses(rl_utils, args, mb)[0]))
         steps.append(rows)
     return objectives, steps
 
 
-def _weighted(coef, count, losses):
-    """The plug-in's loss function: ``(sum_t c_t l_t, sum_t k_t, report)`` (the token form)."""
-    return (coef * losses).sum(), count, {}

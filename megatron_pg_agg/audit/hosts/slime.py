@@ -137,21 +137,32 @@ def load(config, overrides: list, argv: list, options) -> HostConfig:
 
 
 def _modules():
+    import torch._functorch.config as functorch_config  # noqa: PLC0415
     from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
     from slime.backends.megatron_utils import loss  # noqa: PLC0415
     from slime.utils.dp_schedule import build_dp_schedule  # noqa: PLC0415
 
+    # slime's compute_policy_loss is torch.compile'd; the audit takes each optimizer step's gradient from
+    # one graph (retain_graph between steps), which a compiled backward with donated buffers refuses
+    # (seen under OMP_NUM_THREADS=1, as torchrun sets it). Values are unchanged: buffers are only not reused.
+    functorch_config.donated_buffer = False
     return loss, build_dp_schedule, schedules
 
 
 def _parallel_state() -> None:
-    """A one-process gloo group and megatron-core's parallel state (slime's loss reads its DP and CP sizes)."""
+    """A one-process gloo group and megatron-core's parallel state (slime's loss reads its DP and CP sizes),
+    on a port of its own: a ``MASTER_PORT`` in the environment belongs to whatever launched the audit."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
     if not parallel_state.model_parallel_is_initialized():
-        from megatron_pg_agg.megatron.parallel import ParallelSizes, init_distributed, init_parallel  # noqa: PLC0415
+        from megatron_pg_agg.megatron.parallel import (  # noqa: PLC0415
+            ParallelSizes,
+            free_port,
+            init_distributed,
+            init_parallel,
+        )
 
-        init_distributed(world_size=1, rank=0)
+        init_distributed(world_size=1, rank=0, port=free_port())
         init_parallel(ParallelSizes())
 
 

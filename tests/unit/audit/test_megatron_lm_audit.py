@@ -6,6 +6,13 @@ the first step's micro-batches itself), a DP partition that is not prepare_data_
 contiguous slices (the per-token case moves only through it, and cuts groups), a plug-in line that
 is not a token mean over whole-group steps, and a spread the report does not see. Skips on other
 megatron-core releases (the RL loop's own), and without a checkout as the other Megatron-LM tests.
+
+pretrain() (``-- pretrain_gpt.py ...``, every release 0.15-0.19): a stock objective that is not
+pretrain_gpt.loss_func's mean of micro-batch means (float64 reference here, every split), a
+per-token count that is not loss_func's (an all-masked micro-batch counting 1, as train_rl's does,
+would move the token mean by ~7e-4 at micro-batch size 1), a plug-in line that is not the step's token
+mean, a parser that is not pretrain_gpt.py's (its name in argparse's refusal of the plug-in entry's
+flag), and a loop rule that does not refuse a contradiction.
 """
 from __future__ import annotations
 
@@ -119,3 +126,70 @@ def test_a_missing_checkout_is_one_line(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("refusing to audit megatron-lm:") and len(out.stderr.strip().splitlines()) == 1
+
+
+PRETRAIN_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+                  "--max-position-embeddings", "256", "--micro-batch-size", "2", "--global-batch-size", "16"]
+
+
+def _pretrain_audit(checkout, tmp_path, name: str, flags: list) -> tuple:
+    path = tmp_path / f"{name}.json"
+    out = subprocess.run([sys.executable, "-m", "megatron_pg_agg.audit", "megatron-lm", "--dp", "2", "--json",
+                          str(path), "--", "pretrain_gpt.py", "--megatron-lm", str(checkout), *PRETRAIN_MODEL, *flags],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return out, (json.loads(path.read_text()) if out.returncode == 0 else None)
+
+
+def _surrogate_sums(batch, rows: list) -> tuple:
+    """``(sum_t m_t l_t, sum_t m_t)`` of ``rows`` in float64, ``l_t = -A_i exp(logp_t - old_t)``."""
+    total = sum(float((-float(batch.advantages[i]) * (batch.logprobs[i].double() - batch.old_logprobs[i].double())
+                       .exp())[batch.masks[i]].sum()) for i in rows)
+    return total, sum(int(batch.masks[i].sum()) for i in rows)
+
+
+def test_pretrain_without_per_token_loss_is_a_mean_of_micro_batch_means(megatron_lm_checkout, tmp_path):
+    out, data = _pretrain_audit(megatron_lm_checkout, tmp_path, "pt", [])
+    assert out.returncode == 0, out.stderr[-3000:]
+    batch = synthetic_batch(BatchShape(1, 16, 256))
+    assert [s["split"] for s in data["splits"]] == [f"micro-batch {m}, DP {d}" for d in (2, 1) for m in (2, 1, 4)]
+    for split in data["splits"]:
+        # every micro-batch weighs 1 / (DP x micro-batches per rank): the mean over all of them, whichever rank
+        m = split["settings"]["micro_batch_size"]
+        means = [s / max(n, 1) for s, n in (_surrogate_sums(batch, range(a, a + m)) for a in range(0, 16, m))]
+        want = sum(means) / len(means)
+        assert abs(split["step_objectives"][0] - want) <= 1e-5 * max(abs(want), 0.01), (split, want)
+    assert data["spread"] > 0.05, data["spread"]  # measured 0.53 (micro-batch 1 against 2)
+    total, tokens = _surrogate_sums(batch, range(16))
+    for split in data["plugin_splits"]:
+        assert abs(split["step_objectives"][0] - total / tokens) <= 1e-9 * max(abs(total / tokens), 0.01), split
+    assert data["plugin_spread"] < 1e-6, data["plugin_spread"]
+    assert "a mean of micro-batch token means (pretrain_gpt.loss_func" in data["stock"]
+    assert data["settings"]["loop"] == "pretrain() (pretrain_gpt.py)" and "launch/pretrain_actor.py" in data["fix"]
+
+
+def test_pretrain_with_per_token_loss_is_the_step_token_mean_in_every_split(megatron_lm_checkout, tmp_path):
+    out, data = _pretrain_audit(megatron_lm_checkout, tmp_path, "ptl", ["--calculate-per-token-loss"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    batch = synthetic_batch(BatchShape(1, 16, 256))
+    assert not batch.masks[1].any()  # at micro-batch size 1, row 1 is an all-masked micro-batch
+    total, tokens = _surrogate_sums(batch, range(16))
+    for split in data["splits"]:
+        got = split["step_objectives"][0]
+        assert abs(got - total / tokens) <= 1e-6 * max(abs(total / tokens), 0.01), (split, total / tokens)
+    assert data["spread"] < 1e-6 and data["plugin_spread"] < 1e-6, (data["spread"], data["plugin_spread"])
+
+
+def test_pretrain_refuses_a_flag_pretrain_gpt_does_not_know(megatron_lm_checkout, tmp_path):
+    # the plug-in entry's flag: not Megatron-LM's own (every parser of 0.15-0.19 knows the --grpo-* ones)
+    out, _ = _pretrain_audit(megatron_lm_checkout, tmp_path, "bad", ["--pg-loss-aggregation", "token_mean"])
+    assert out.returncode == 2
+    want = "pretrain_gpt.py: error: unrecognized arguments: --pg-loss-aggregation token_mean"
+    assert want in out.stderr, out.stderr[-2000:]
+
+
+def test_a_loop_that_contradicts_the_script_is_refused(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_pg_agg.audit", "megatron-lm", "--loop", "rl", "--",
+                          "pretrain_gpt.py", "--micro-batch-size", "2"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "refusing to audit megatron-lm: --loop rl with a pretrain_gpt.py command line"

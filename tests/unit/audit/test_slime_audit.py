@@ -22,7 +22,7 @@ import torch
 
 from megatron_pg_agg.audit.batch import BatchShape, synthetic_batch
 from megatron_pg_agg.integrations.slime.plugin import CHECKOUT_ENV, checkout_problem
-from tests.support.launching import ROOT
+from tests.support.launching import ROOT, child_env
 from tests.support.optional import require
 
 REQUIRE_SLIME = "MEGATRON_PG_AGG_REQUIRE_SLIME"
@@ -36,7 +36,8 @@ EPS = 0.2  # slime's --eps-clip default (eps_clip_high defaults to it)
 def env(megatron_lm_checkout):
     path = os.environ.get(CHECKOUT_ENV)
     require(checkout_problem(path), REQUIRE_SLIME)
-    return {**os.environ, CHECKOUT_ENV: os.path.abspath(path), "MEGATRON_LM_PATH": str(megatron_lm_checkout)}
+    # child_env: never the rendezvous variables an in-process test of this worker left set (its port still bound)
+    return child_env(**{CHECKOUT_ENV: os.path.abspath(path), "MEGATRON_LM_PATH": str(megatron_lm_checkout)})
 
 
 def _audit(env, tmp_path, flags: list) -> tuple:
