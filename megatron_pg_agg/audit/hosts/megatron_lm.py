@@ -20,6 +20,9 @@ summed count. The DP partition is the one ``rl_utils.prepare_data_for_update`` m
 function that needs the model): the collection group-major, padded with all-masked rows to a
 multiple of DP x micro-batch size, each DP rank a contiguous slice; each optimizer step takes the
 next ``global_batch / DP`` rows of every rank's slice (rl_utils.py at core_v0.19.0, ~1585-1620).
+With ``--rl-use-sequence-packing`` the configured split and the bin-size splits are Megatron-LM's own
+packing (:mod:`.megatron_lm_packing`: bins of ``--seq-length``, half and twice it, one bin a micro-batch);
+the row splits stay, named "no packing".
 
 Plug-in line: the project's RL entry (launch/train_rl_actor.py, docs/megatron-rl.md): steps of whole
 groups in collection order whatever the DP size, token weights of the mode over the step, the same
@@ -40,6 +43,7 @@ from megatron_pg_agg.audit.hosts import (
     HostMissing,
     HostRefusal,
     command_line,
+    megatron_lm_packing,
     megatron_lm_pretrain,
     without_flags,
 )
@@ -97,9 +101,17 @@ def _pretrain(config) -> bool:
 
 def _formula(args, dp: int) -> str:
     gbs, mbs = args.global_batch_size, args.micro_batch_size
-    packing = (". With --rl-use-sequence-packing the micro-batches are bins, which the audit does not build: it "
-               "splits by rows." if args.rl_use_sequence_packing else "")
+    packing = megatron_lm_packing.formula(args) if args.rl_use_sequence_packing else ""
     return _stock(args, dp, gbs, mbs) + packing
+
+
+def _splits(args, dp: int) -> list:
+    """The row splits; with --rl-use-sequence-packing the packed ones first (the configured one) and the row
+    splits named 'no packing'."""
+    rows = splits(args, dp)
+    if not args.rl_use_sequence_packing:
+        return rows
+    return megatron_lm_packing.packed_splits(args, dp) + [Split(f"no packing, {s.name}", s.settings) for s in rows]
 
 
 def _stock(args, dp: int, gbs: int, mbs: int) -> str:
@@ -134,9 +146,12 @@ def load(config, overrides: list, argv: list, options) -> HostConfig:
                 "--grpo-group-size": args.grpo_group_size, "--grpo-prompts-per-step": args.grpo_prompts_per_step,
                 "--seq-length": args.seq_length, "--rl-use-sequence-packing": args.rl_use_sequence_packing,
                 "DP (--dp)": dp}
+    if args.rl_use_sequence_packing:
+        settings.update({"--rl-sequence-packing-max-sequences-per-bin": args.rl_sequence_packing_max_sequences_per_bin,
+                         "--rl-sequence-packing-algo": args.rl_sequence_packing_algo})
     fix = ("torchrun ... launch/train_rl_actor.py --megatron-lm PATH <the same flags> --calculate-per-token-loss "
            "--pg-loss-aggregation token_mean   (docs/megatron-rl.md)")
-    return HostConfig(shape, _formula(args, dp), settings, splits(args, dp), fix, args)
+    return HostConfig(shape, _formula(args, dp), settings, _splits(args, dp), fix, args)
 
 
 def _partition(rows: int, dp: int, mbs: int, gbs: int) -> list:
@@ -172,6 +187,8 @@ def stock(config: HostConfig, batch, split: Split, leaves: list) -> tuple:
     args.check_for_nan_in_loss_and_grad = args.check_for_spiky_loss = False
     args.context_parallel_size = 1
     set_args(args)
+    if "bin_size" in split.settings:
+        return megatron_lm_packing.stock((train_rl, rl_utils, schedules), args, batch, split, leaves)
     dp, mbs, gbs = split.settings["dp"], split.settings["micro_batch_size"], split.settings["global_batch_size"]
     objectives, steps = [], []
     for step in _partition(batch.rows, dp, mbs, gbs):

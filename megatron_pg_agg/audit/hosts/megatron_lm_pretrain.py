@@ -77,7 +77,11 @@ def _modules():
     _triton_stand_in()
     import pretrain_gpt  # noqa: PLC0415
     from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
-    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler  # noqa: PLC0415
+
+    try:  # the sampler's module per release: megatron/training/datasets from core_v0.16, megatron/legacy/data before
+        from megatron.training.datasets.data_samplers import MegatronPretrainingSampler  # noqa: PLC0415
+    except ModuleNotFoundError:
+        from megatron.legacy.data.data_samplers import MegatronPretrainingSampler  # noqa: PLC0415
 
     return pretrain_gpt, schedules, MegatronPretrainingSampler
 

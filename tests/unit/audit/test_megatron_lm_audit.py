@@ -7,6 +7,12 @@ contiguous slices (the per-token case moves only through it, and cuts groups), a
 is not a token mean over whole-group steps, and a spread the report does not see. Skips on other
 megatron-core releases (the RL loop's own), and without a checkout as the other Megatron-LM tests.
 
+With --rl-use-sequence-packing (bins by Megatron-LM's own packer; references pack by its rule written here):
+a per-token count that does not count each tokenless bin once (padding bins from distribute_packed_bins,
+bins of fully masked responses), log-probs not shifted one position before their tokens in the bin (measured:
+4.6e-4 relative off), a step that does not take update_microbatch_calculator's ceil(ratio x bins) bins of
+each rank cycled from step to step, and a bin mean not weighed 1 / (bins per step x DP).
+
 pretrain() (``-- pretrain_gpt.py ...``, every release 0.15-0.19): a stock objective that is not
 pretrain_gpt.loss_func's mean of micro-batch means (float64 reference here, every split), a
 per-token count that is not loss_func's (an all-masked micro-batch counting 1, as train_rl's does,
@@ -193,3 +199,89 @@ def test_a_loop_that_contradicts_the_script_is_refused(tmp_path):
                          cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr.strip() == "refusing to audit megatron-lm: --loop rl with a pretrain_gpt.py command line"
+
+
+# --rl-use-sequence-packing: Megatron-LM's own SequencePacker, distribute_packed_bins and micro-batch calculator
+# build the bins; the references below pack by the rule of sequence_packing_utils.py at core_v0.19.0 written here.
+PACKED = ["--rl-use-sequence-packing", "--micro-batch-size", "1", "--grpo-group-size", "4", "--grpo-prompts-per-step",
+          "8"]
+PROMPT = 256 // 8  # the audit's prompt: --seq-length / 8 tokens before each response
+
+
+def _bins(batch, size: int, most: int = 50) -> list:
+    """SequencePacker's rule: longest trajectory first (stable), each into the current bin while its tokens and
+    count allow, else into a new bin."""
+    lengths = [PROMPT + n for n in batch.lengths]
+    bins, current, used = [], [], 0
+    for i in sorted(range(batch.rows), key=lambda i: lengths[i], reverse=True):
+        if current and (used + lengths[i] > size or len(current) >= most):
+            bins.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += lengths[i]
+    return bins + [current]
+
+
+def _fifo(bins: list, dp: int) -> list:
+    """distribute_packed_bins' fifo: contiguous runs, the first ``len % dp`` ranks one longer, each rank filled up
+    with empty bins to ``ceil(len / dp)``."""
+    per, extra, most = len(bins) // dp, len(bins) % dp, -(-len(bins) // dp)
+    ranks = []
+    for r in range(dp):
+        start = r * (per + 1) if r < extra else r * per + extra
+        mine = bins[start:start + per + (r < extra)]
+        ranks.append(mine + [[]] * (most - len(mine)))
+    return ranks
+
+
+def _bin_sums(batch, rows: list) -> tuple:
+    return float(sum(t.sum() for t in _token_losses(batch, rows))), sum(int(batch.masks[i].sum()) for i in rows)
+
+
+def _split(data, name: str) -> dict:
+    return next(s for s in data["splits"] if s["split"] == name)
+
+
+def test_packed_per_token_loss_counts_each_tokenless_bin_once(checkout, tmp_path):
+    """One step of the 32 rows: J = sum_t m_t l_t / (valid tokens + tokenless bins), the bins (padding bins and
+    bins of fully masked responses only) from the packing rule; the bin size moves J only through that count."""
+    out, data = _audit(checkout, tmp_path, "packed", ["--calculate-per-token-loss", "--global-batch-size", "32",
+                                                       *PACKED])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [s["split"] for s in data["splits"]][:4] == ["bins of 256 tokens, DP 2", "bins of 512 tokens, DP 2",
+                                                        "bins of 256 tokens, DP 1", "bins of 512 tokens, DP 1"]
+    assert "bins of 128 tokens, DP 2" in data["refused_splits"]  # the longest trajectory (160 tokens) fits no such bin
+    batch = synthetic_batch(BatchShape(4, 8, 128))
+    total, valid = _bin_sums(batch, list(range(32)))
+    counts = {}
+    for dp in (2, 1):
+        for size in (256, 512):
+            bins = [b for rank in _fifo(_bins(batch, size), dp) for b in rank]
+            counts[size, dp] = sum(1 for b in bins if not any(batch.masks[i].any() for i in b))
+            want = total / (valid + counts[size, dp])
+            got = _split(data, f"bins of {size} tokens, DP {dp}")["step_objectives"][0]
+            assert abs(got - want) <= 1e-6 * max(abs(want), 0.01), (size, dp, got, want, counts)
+    assert counts[256, 1] != counts[512, 1], counts  # the bin size moves the count here: the check can see it
+    assert data["plugin_spread"] < 1e-6, data["plugin_spread"]
+    assert "does not build" not in data["stock"] and "SequencePacker" in data["stock"]
+
+
+def test_packed_without_per_token_loss_is_a_mean_of_bin_means(checkout, tmp_path):
+    """Two steps (--global-batch-size 16) at most 3 sequences a bin, fifo: step k of a rank is its bins
+    [k m, (k + 1) m) with m = ceil(bins of the rank / 2), each bin's token mean weighing 1 / (m DP)."""
+    flags = ["--global-batch-size", "16", "--rl-sequence-packing-max-sequences-per-bin", "3", *PACKED]
+    out, data = _audit(checkout, tmp_path, "packed_mean", flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    batch = synthetic_batch(BatchShape(4, 8, 128))
+    for dp in (2, 1):
+        for size in (256, 512):
+            ranks = _fifo(_bins(batch, size, most=3), dp)
+            m = -(-len(ranks[0]) // 2)
+            got = _split(data, f"bins of {size} tokens, DP {dp}")["step_objectives"]
+            for k in range(2):
+                means = [s / max(n, 1) for rank in ranks for s, n in
+                         (_bin_sums(batch, rank[j % len(rank)]) for j in range(k * m, (k + 1) * m))]
+                want = sum(means) / (m * dp)
+                assert abs(got[k] - want) <= 1e-5 * max(abs(want), 0.01), (size, dp, k, got, want)
+    assert data["spread"] > 0.01, data["spread"]
+    assert data["plugin_spread"] < 1e-6, data["plugin_spread"]
