@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -172,9 +171,11 @@ def _median_ms(step, names: list, reps: int) -> dict:
 
 
 def launch(tp: int, microbatches: int, reps: int, count_only: bool) -> dict:
+    from megatron_pg_agg.megatron.torchrun import torchrun_command  # noqa: PLC0415
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        cmd = [*torchrun_command(), "--standalone", "--nproc_per_node", "2",
                os.path.abspath(__file__), "--worker", "--tp", str(tp), "--microbatches", str(microbatches),
                "--reps", str(reps), "--out", out] + (["--count-only"] if count_only else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

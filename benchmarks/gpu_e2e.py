@@ -644,7 +644,9 @@ def worker_main(name: str, spec_path: str, out_path: str) -> int:
 
 
 def torchrun(*args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *map(str, args)]
+    from megatron_pg_agg.megatron.torchrun import torchrun_command  # noqa: PLC0415 (the driver imports no torch before)
+
+    return [*torchrun_command(), "--standalone", "--nproc_per_node", "1", *map(str, args)]
 
 
 def pretrain_command(profile: str, megatron_lm: str, rollouts: str, metrics: str) -> list:

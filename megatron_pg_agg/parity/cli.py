@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
+from megatron_pg_agg.megatron.torchrun import torchrun_command
 from megatron_pg_agg.patches import mtp_loss
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
 
@@ -55,7 +56,7 @@ def launch(cases, modes, policy_losses=POLICY_LOSSES, *, timeout_s: float = 900.
     for world, group in sorted(by_world.items()):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            cmd = [*torchrun_command(), "--standalone", "--nproc_per_node",
                    str(world), "-m", "megatron_pg_agg.parity.workers", "--out", out,
                    "--cases-json", json.dumps([asdict(case) for case in group]), "--modes", *modes,
                    "--policy-losses", *policy_losses]

@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,7 @@ from typing import Optional
 from megatron_pg_agg.core.losses import KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, PGLossConfig
 from megatron_pg_agg.core.modes import MODES
 from megatron_pg_agg.data.rollouts import Rollout
+from megatron_pg_agg.megatron.torchrun import torchrun_command
 
 from .fixture import MOE_EXPERTS, NUM_LAYERS, VOCAB, ParityCase
 
@@ -241,7 +241,7 @@ def _run_launch(world: int, group: list, timeout_s: float, log) -> tuple:
         spec, out = os.path.join(tmp, "cases.json"), os.path.join(tmp, "rows.jsonl")
         with open(spec, "w") as f:
             json.dump([asdict(c) for c in group], f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+        cmd = [*torchrun_command(), "--standalone", "--nproc_per_node", str(world),
                "-m", "megatron_pg_agg.parity.fuzz_worker", spec, out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         log(f"[fuzz] launching {world} rank(s): {len(group)} case(s)")

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from megatron_pg_agg.megatron.torchrun import torchrun_command
 from tests.support import fork_server
-from tests.support.launching import ROOT, child_env, run, start_forked, torchrun, worker
+from tests.support.launching import ROOT, child_env, launcher_env, run, start_forked, torchrun, worker
 
 PROBE = ROOT / "tests" / "distributed" / "workers" / "launch_probe.py"
 RUN_SPECIFIC = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")  # a fresh value per launch, by design
@@ -24,6 +25,7 @@ def _lines(out: str) -> list:
 
 def _comparable(rows: list) -> list:
     for row in rows:
+        row.pop("preloaded")  # how the process started, not what it sees
         for key in RUN_SPECIFIC:
             assert (row["env"][key] is None) == (rows[0]["env"][key] is None)
             row["env"][key] = "-" if row["env"][key] else None
@@ -75,3 +77,24 @@ def test_what_a_fork_cannot_show_starts_fresh():
     plain = child_env()
     plain.pop("PYTHONWARNINGS")
     assert start_forked([sys.executable, str(PROBE)], env=plain) is None
+
+
+@pytest.mark.parametrize("exit_as, status", [(None, 0), ("3", 1)])
+def test_the_packages_own_torchrun_is_forked_under_the_launcher_environment(exit_as, status, monkeypatch):
+    """torchrun_command() under launching.launcher_env (how the parity check, the fuzzer and the
+    benchmarks start torchrun in the tests) goes through tests/support/fork_client.py: its ranks are
+    forks of the preloaded server, and they see and report what a real torchrun's ranks do."""
+    extra = {} if exit_as is None else {"PROBE_EXIT": exit_as, "PROBE_EXIT_RANK": "1"}
+    env = launcher_env(**extra)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    client = [*torchrun_command(), "--standalone", "--nproc_per_node", "2", *worker("launch_probe"), "x"]
+    assert client[1:3] == ["-m", "tests.support.fork_client"], client
+    rc_fresh, fresh, _ = run(torchrun(2, *worker("launch_probe"), "x"), 120, "fresh probe", env=child_env(**extra),
+                             fresh=True)
+    rc_client, through, _ = run(client, 120, "probe through the client", fresh=True, env=env)
+    assert rc_fresh == rc_client == status, (fresh[-3000:], through[-3000:])
+    rows = _lines(through)
+    assert [row["preloaded"] for row in rows] == [True, True] and [row["preloaded"] for row in _lines(fresh)] == [
+        False, False]
+    assert _comparable(rows) == _comparable(_lines(fresh))

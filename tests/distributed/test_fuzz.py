@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 
-from tests.support.launching import ROOT, child_env
+from tests.support.launching import ROOT, launcher_env
 
 CASES = 20
 
@@ -32,7 +32,7 @@ def test_random_cases_match_the_reference(tmp_path):
     print(f"fuzz seed {seed} (rerun: python -m megatron_pg_agg.parity --fuzz {CASES} --seed {seed})")
     proc = subprocess.run([sys.executable, "-m", "megatron_pg_agg.parity", "--fuzz", str(CASES), "--seed", str(seed),
                            "--json", str(tmp_path / "fuzz.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1500, env=child_env())
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500, env=launcher_env())
     lines = proc.stdout.strip().splitlines()
     print("\n".join(line for line in lines if line.startswith(("ok", "FAIL", "     rerun", "[fuzz] failed"))))
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-20000:]

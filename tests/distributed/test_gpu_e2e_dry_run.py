@@ -19,7 +19,7 @@ import pytest
 
 from megatron_pg_agg.core.modes import MODES
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
-from tests.support.launching import ROOT, run
+from tests.support.launching import ROOT, launcher_env, run
 
 SCRIPT = ROOT / "benchmarks" / "gpu_e2e.py"
 RL_RELEASE = in_range(installed_megatron_core_version(), ">=0.19,<0.20")
@@ -38,7 +38,7 @@ def report(tmp_path_factory, megatron_lm_checkout):
     out = tmp / "report.json"
     cmd = [sys.executable, SCRIPT, "--dry-run", "--megatron-lm", megatron_lm_checkout, "--json", out,
            "--keep", tmp / "runs"]
-    rc, log, elapsed = run([str(c) for c in cmd], TIMEOUT_S, "gpu_e2e dry run")
+    rc, log, elapsed = run([str(c) for c in cmd], TIMEOUT_S, "gpu_e2e dry run", env=launcher_env())
     assert out.exists(), log[-20000:]
     got = json.loads(out.read_text())
     failed = {name: entry.get("tail", "")[-5000:] for name, entry in got["checks"].items()

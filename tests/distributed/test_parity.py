@@ -19,7 +19,7 @@ import pytest
 from megatron_pg_agg.parity import DEFAULT_CASES, GRAD_RTOL, MODES, OBJECTIVE_RTOL, POLICY_LOSSES, find_markdown_table
 from megatron_pg_agg.patches import mtp_loss
 from megatron_pg_agg.versions import in_range, installed_megatron_core_version
-from tests.support.launching import ROOT, child_env
+from tests.support.launching import ROOT, launcher_env
 from tests.support.parity_tables import table_mismatches
 
 
@@ -30,7 +30,7 @@ def parity_run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_pg_agg.parity", "--json", str(out), "--plot", str(png),
          "--timeout", "600"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1300, env=child_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=1300, env=launcher_env(),
     )
     return proc, out, png
 

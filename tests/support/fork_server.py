@@ -38,10 +38,6 @@ import sys
 import time
 import uuid
 
-from torch.distributed import TCPStore
-
-from megatron_pg_agg.megatron.parallel import free_port
-
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron_pg_agg.training.trainer", "megatron_pg_agg.parity.workers")
@@ -127,6 +123,11 @@ def _run_program(flags: list, program: list) -> None:
 def _agent(nproc: int, flags: list, program: list) -> int:
     """torchrun's part: fork ``nproc`` ranks with its environment, host the agent store, wait;
     on a rank's failure stop the others. Returns 0, or 1 when a rank failed."""
+    # here, not at the top: tests/support/fork_client.py imports this module and no torch
+    from torch.distributed import TCPStore  # noqa: PLC0415
+
+    from megatron_pg_agg.megatron.parallel import free_port  # noqa: PLC0415
+
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     ranks = {}
     for rank in range(nproc):
@@ -295,6 +296,17 @@ class ForkedLaunch:
                 pass
             finally:
                 self._sock.setblocking(True)
+        return self.returncode
+
+    def relay(self, fd: int) -> int:
+        """Copy the launch's output to ``fd`` as it comes, then return its exit status."""
+        while True:
+            chunk = os.read(self._out.fileno(), 65536)
+            if not chunk:
+                break
+            os.write(fd, chunk)
+        self._out.close()
+        self.communicate()
         return self.returncode
 
     def communicate(self, timeout=None):

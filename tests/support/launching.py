@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron_pg_agg.megatron.parallel import free_port  # noqa: F401  (the one copy, re-exported for tests)
-from tests.support import fork_server
+from megatron_pg_agg.megatron.torchrun import TORCHRUN_ENV
+from tests.support import fork_client, fork_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +31,24 @@ them set (its port still bound), and a child must never inherit them."""
 def child_env(**extra) -> dict:
     inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     return {**inherited, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+
+
+def launcher_env(**extra) -> dict:
+    """:func:`child_env` for a command that starts torchrun itself (the parity check, the fuzzer, the
+    benchmarks): its launches are forked from the session's preloaded interpreter too
+    (tests/support/fork_client.py, through ``MEGATRON_PG_AGG_TORCHRUN``), or fresh where the fork
+    server is off."""
+    return {**child_env(**extra), **forked_torchrun()}
+
+
+def forked_torchrun() -> dict:
+    """The variables that make :func:`megatron_pg_agg.megatron.torchrun.torchrun_command` the fork
+    server's client (``{}`` where the server is off)."""
+    path = _fork_server()
+    if path is None:
+        return {}
+    return {TORCHRUN_ENV: f"{shlex.quote(sys.executable)} -m tests.support.fork_client", fork_client.SERVER_ENV: path,
+            fork_client.IMPORT_ENV: json.dumps(fork_client.import_time_env(_server["env"]))}
 
 
 def start(cmd, *, env=None, cwd=ROOT) -> subprocess.Popen:
@@ -97,8 +118,7 @@ def _fork_server():
     return _server["path"]
 
 
-def _import_time_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+_import_time_env = fork_client.import_time_env
 
 
 def start_forked(cmd, *, env=None, cwd=ROOT):
