@@ -214,3 +214,50 @@ def test_rejects_non_thd_and_batched_packs():
     with pytest.raises(NotImplementedError, match="thd"):
         attn(q, q, q, None, packed_seq_params=sbhd)
     assert parallel_state.model_parallel_is_initialized()
+
+
+MANY = (2, 7, 3, 5, 1, 6, 4, 2, 7, 3, 5, 6)
+"""Short sequences, many of them: the pack takes the padded-batch form (13 x 7^2 < 51^2 scores)."""
+
+
+def test_a_pack_of_many_short_sequences_takes_the_padded_form_and_matches_separate_runs():
+    """The padded-batch form (ThdDotProductAttention._padded_forward) against each sequence run alone
+    through upstream's own causal path: logits and gradients. Catches a token read back from another
+    block or offset, a key past a block's end left visible, or causality lost inside a block."""
+    model = _model()
+    seqs = _sequences(MANY, seed=3)
+    batch = pack_sequences(seqs)
+    attn = model.decoder.layers[0].self_attention.core_attention
+    params, total = batch.packed_seq_params, sum(MANY)
+    assert attn._padded_is_cheaper(params, params.cu_seqlens_q_padded, total, None, None)
+    weights = torch.randn(total, VOCAB, generator=torch.Generator().manual_seed(7))
+    packed = model(batch.tokens, batch.position_ids, None, packed_seq_params=params)[0]
+    (packed * weights).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    alone = _separate_logits(model, seqs)
+    (torch.cat(alone) * weights).sum().backward()
+    for off, ref in zip(batch.offsets, alone):
+        torch.testing.assert_close(packed[off:off + ref.size(0)], ref, rtol=0, atol=TOL)
+    for name, p in model.named_parameters():
+        err = (packed_grads[name] - p.grad).abs().max().item()
+        assert err <= 1e-5 * max(p.grad.abs().max().item(), 1e-3), (name, err)
+
+
+@pytest.mark.parametrize("cu, total", [([0, 2, 2, 5, 9], 9), ([0, 3, 6], 8), ([0, 4, 9, 9, 9], 9)],
+                         ids=["empty-block", "trailing-tokens", "ghost-blocks"])
+def test_the_padded_form_equals_the_mask_form(cu, total):
+    """One core attention, the same q/k/v, both forms (the padded one forced by max_seqlen): equal to 1e-6,
+    with an empty block, tokens after the last boundary, and Megatron-LM's repeated last boundary."""
+    config = tiny_transformer_config(num_layers=1)
+    attn = ThdDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                  attention_type="self")
+    heads, dim = config.num_attention_heads, config.kv_channels
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, heads, dim, generator=g) for _ in range(3))
+    cu = torch.tensor(cu, dtype=torch.int32)
+    mask_form = ThdDotProductAttention.forward(
+        attn, q, k, v, None, packed_seq_params=SimpleNamespace(
+            qkv_format="thd", cu_seqlens_q_padded=cu, cu_seqlens_q=cu, max_seqlen_q=None))
+    padded_form = attn._padded_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), cu, 5, True, None)
+    torch.testing.assert_close(padded_form, mask_form, rtol=0, atol=1e-6)
