@@ -23,8 +23,9 @@ WHAT
     causal mask, and each token's output is gathered back: the same scores and softmax rows (their
     masked entries are exact zeros either way; float32 sums over another width), for a pack of many
     short sequences a fraction of the work (the main job's RL steps: 104 s of CPU -> 42 s for the
-    whole job on 2 cores). It stays a CPU/test stand-in for TE's varlen kernel, not a fast path. Masked scores are filled with -10000 by upstream's ``attention_mask_func``; in fp32
-    their softmax weight underflows to exactly 0, so a pack matches its sequences run one by one.
+    whole job on 2 cores). It stays a CPU/test stand-in for TE's varlen kernel, not a fast path.
+    Masked scores are filled with -10000 by upstream's ``attention_mask_func``; in fp32 their softmax
+    weight underflows to exactly 0, so a pack matches its sequences run one by one.
 
     Padded layouts: with ``cu_seqlens_q_padded`` each block spans a sequence and its padding;
     the padding sits after the real tokens, so causality keeps it invisible to them (its own
