@@ -149,8 +149,9 @@ OUTSIDE_LINES: tuple[tuple[str, str], ...] = (
     (r"W\d{4} [\d:.]+ +\d+ torch/distributed/run\.py:\d+\] ",
      "torchrun's notice that it sets OMP_NUM_THREADS=1 for each worker (5 lines, printed by torchrun itself "
      "before any worker starts; `OMP_NUM_THREADS=1 torchrun ...` does the same without the notice)"),
-    (r"Loading from \S+ .*\(\d+/\d+\) \w+Bridge$",
-     "Megatron-Bridge's progress line while it loads the HF weights (rank 0, an --hf-model run)"),
+    (r"Loading from \S+ .*(\(\d+/\d+\) \w+Bridge|\u2026)$",
+     "Megatron-Bridge's progress line while it loads the HF weights (rank 0, an --hf-model run; rich cuts "
+     "its fields with '\u2026' to fit 80 columns where the line is longer, as with a long model path)"),
 )
 """The lines from outside the project a successful trainer run still prints (regex matched at
 the start of a line, and why it stays); every other line starts with the entry's prefix."""

@@ -96,8 +96,11 @@ def share_argument_docstrings() -> None:
 
 
 def announce(run: dict) -> None:
-    """The ``[runs] NAME`` marker the tests cut a batch's output at (``launching.split_by_run``)."""
-    print(f"[runs] {run['name']}", file=sys.stderr, flush=True)
+    """The ``[runs] NAME`` marker the tests cut a batch's output at (``launching.split_by_run``), in one
+    write to fd 2: ``print`` writes the text and its newline apart, and another rank's line landing
+    between them (rank 0's refusal, say) became part of the marker's name and was lost from its run."""
+    sys.stderr.flush()
+    os.write(2, f"[runs] {run['name']}\n".encode())
 
 
 def serve(run_all) -> None:
